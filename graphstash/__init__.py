@@ -1,0 +1,42 @@
+"""graphstash: a CUDA-graph-first GPU memory runtime for PyTorch training.
+
+Importing graphstash touches no GPU and compiles nothing; kernels compile on first use or
+in :func:`warmup`.
+"""
+from __future__ import annotations
+
+from .errors import (BackendUnavailableError, CaptureError, GraphstashError, PoolExhaustedError,
+                     ReleasedError, StaleHandleError)
+from .paging import PagedStashBuffer, PagedTensor, new_status
+
+__version__ = "0.1.0"
+
+
+def warmup(device=None) -> None:
+    """Compile every CuPy kernel for ``device`` (default: the current CUDA device).
+
+    Call it before capturing a CUDA graph: compiling while a stream captures raises
+    :class:`CaptureError`. Does nothing useful without CUDA and CuPy (raises
+    :class:`BackendUnavailableError`).
+    """
+    from . import _kernels
+
+    ok, why = _kernels.availability()
+    if not ok:
+        raise BackendUnavailableError(f"graphstash.warmup(): the CuPy kernels cannot run: {why}")
+    _kernels.warmup(device)
+
+
+__all__ = [
+    "BackendUnavailableError",
+    "CaptureError",
+    "GraphstashError",
+    "PagedStashBuffer",
+    "PagedTensor",
+    "PoolExhaustedError",
+    "ReleasedError",
+    "StaleHandleError",
+    "new_status",
+    "warmup",
+    "__version__",
+]

@@ -1,0 +1,54 @@
+"""Argument checks shared by the public API: each raises TypeError/ValueError naming the argument."""
+from __future__ import annotations
+
+import torch
+
+from .errors import CaptureError
+
+COUNT_DTYPES = (torch.int32, torch.int64)
+
+
+def describe(t: torch.Tensor) -> str:
+    """Short description of a tensor for error messages: dtype, shape and device."""
+    return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
+def require_tensor(name: str, value, expected: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__}")
+    return value
+
+
+def require_positive_int(name: str, value, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name}: expected an int {bound}, got {value}")
+    return value
+
+
+def check_counts(name: str, num_tokens, *, device: torch.device, segments: int) -> torch.Tensor:
+    """Validate a live-row count tensor: int32/int64, on ``device``, shape ``(segments,)``."""
+    expected = (f"an int32 or int64 tensor of shape ({segments},) on {device}")
+    require_tensor(name, num_tokens, expected)
+    if num_tokens.dtype not in COUNT_DTYPES or num_tokens.device != device:
+        raise TypeError(f"{name}: expected {expected}, got {describe(num_tokens)}")
+    if tuple(num_tokens.shape) != (segments,):
+        raise ValueError(f"{name}: expected {expected}, got {describe(num_tokens)}")
+    if not num_tokens.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {num_tokens.stride()}")
+    return num_tokens
+
+
+def is_capturing() -> bool:
+    """True while the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def forbid_capture(what: str) -> None:
+    """Raise CaptureError if the current stream is capturing; ``what`` names the operation."""
+    if is_capturing():
+        raise CaptureError(
+            f"{what} cannot run while a CUDA graph is being captured; "
+            "do it before the capture (graphstash.warmup() compiles kernels ahead)")

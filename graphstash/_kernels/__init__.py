@@ -1,0 +1,170 @@
+"""CuPy launcher for the CUDA kernels in ``raw_kernels/``: the only package that imports cupy.
+
+Kernels are compiled with ``cupy.RawModule`` once per (device, source), with the tunables
+passed as ``-D`` defines, and launched on torch's *current* stream so they are ordered with
+torch's work and recorded by ``torch.cuda.graph`` captures. Tensors are handed over as raw
+device pointers: zero-copy, and it works for every dtype (fp8 included, which DLPack does not
+carry). Grid arithmetic lives here.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+import torch
+
+from raw_kernels import KERNEL_DIR, source_path
+
+from .._checks import forbid_capture
+from ..errors import BackendUnavailableError
+
+# Tunables: compiled into the kernels with -D (the .cu files hold the same defaults).
+THREADS = 256
+UNROLL = 4
+MAX_SEGMENTS = 1024
+BLOCKS_PER_SM = 8          # persistent grid: blocks launched per multiprocessor
+VECTOR_WIDTHS = (16, 8, 4, 2, 1)
+# launcher submodules of this package; each calls register_source() for its .cu file
+KERNEL_MODULES = ("paged_stash",)
+
+# module name -> (source file, kernel names compiled by warmup()); filled by register_source
+_SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {}
+_lock = threading.Lock()
+_modules: dict[tuple[int, str], object] = {}
+_streams: dict[tuple[int, int], object] = {}
+
+
+@functools.lru_cache(maxsize=1)
+def _import_cupy():
+    try:
+        import cupy  # noqa: WPS433 - the one place cupy is imported
+    except Exception as exc:  # ImportError, or a CUDA library mismatch raised at import
+        raise BackendUnavailableError(f"cupy cannot be imported: {exc}") from exc
+    return cupy
+
+
+def availability() -> tuple[bool, str]:
+    """Whether the CuPy kernels can run here, and why (or why not). Never raises."""
+    if not torch.cuda.is_available():
+        return False, "torch sees no CUDA device"
+    try:
+        cupy = _import_cupy()
+    except BackendUnavailableError as exc:
+        return False, str(exc)
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # driver/runtime mismatch
+        return False, f"cupy cannot use the CUDA driver: {exc}"
+    if count < 1:
+        return False, "cupy sees no CUDA device"
+    return True, f"cupy {cupy.__version__} sees {count} CUDA device(s)"
+
+
+def compile_options() -> tuple[str, ...]:
+    return (
+        "--std=c++17",
+        f"-I{KERNEL_DIR}",
+        f"-DGS_THREADS={THREADS}",
+        f"-DGS_UNROLL={UNROLL}",
+        f"-DGS_MAX_SEGMENTS={MAX_SEGMENTS}",
+    )
+
+
+def _module(device_index: int, name: str):
+    key = (device_index, name)
+    module = _modules.get(key)
+    if module is not None:
+        return module
+    forbid_capture(f"compiling the {name!r} kernels")
+    cupy = _import_cupy()
+    with _lock:
+        module = _modules.get(key)
+        if module is None:
+            code = source_path(_SOURCES[name][0]).read_text()
+            with cupy.cuda.Device(device_index):
+                module = cupy.RawModule(code=code, options=compile_options())
+                module.compile()
+            _modules[key] = module
+    return module
+
+
+def _function(device_index: int, module_name: str, kernel: str):
+    return _module(device_index, module_name).get_function(kernel)
+
+
+def _cupy_stream(device_index: int):
+    """CuPy view of torch's current stream on ``device_index`` (cached per stream)."""
+    stream = torch.cuda.current_stream(device_index)
+    key = (device_index, stream.cuda_stream)
+    wrapped = _streams.get(key)
+    if wrapped is None:
+        cupy = _import_cupy()
+        from_external = getattr(cupy.cuda.Stream, "from_external", None)
+        with cupy.cuda.Device(device_index):
+            wrapped = from_external(stream.cuda_stream) if from_external is not None \
+                else cupy.cuda.ExternalStream(stream.cuda_stream)
+        _streams[key] = wrapped
+    return wrapped
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def grid_size(items: int, device_index: int) -> int:
+    """Persistent grid: enough blocks to fill every multiprocessor, no more than the items."""
+    return max(1, min(items, _sm_count(device_index) * BLOCKS_PER_SM))
+
+
+def chunk_bytes(width: int) -> int:
+    """Bytes one block copies per work item with vectors of ``width`` bytes."""
+    return THREADS * UNROLL * width
+
+
+def vector_width(row_bytes: int, *pointers: int) -> int:
+    """Widest vector (bytes) dividing the row width and every base address."""
+    for width in VECTOR_WIDTHS:
+        if row_bytes % width == 0 and all(p % width == 0 for p in pointers):
+            return width
+    return 1
+
+
+def ptr(t: torch.Tensor) -> np.uint64:
+    """A tensor's device address as a kernel argument (8-byte pointer)."""
+    return np.uint64(t.data_ptr())
+
+
+def launch(module_name: str, kernel: str, items: int, device_index: int, args: tuple) -> None:
+    """Launch ``kernel`` on torch's current stream with a persistent grid over ``items``."""
+    func = _function(device_index, module_name, kernel)
+    grid = (grid_size(items, device_index), 1, 1)
+    with _cupy_stream(device_index):
+        func(grid, (THREADS, 1, 1), args)
+
+
+def register_source(module_name: str, source: str, kernels: tuple[str, ...]) -> None:
+    """Declare a kernel source file and the entry points ``warmup()`` must load from it."""
+    _SOURCES[module_name] = (source, tuple(kernels))
+
+
+def warmup(device=None) -> None:
+    """Compile every registered kernel for ``device`` (default: current CUDA device)."""
+    import importlib
+
+    for submodule in KERNEL_MODULES:   # importing each registers its sources
+        importlib.import_module(f"{__name__}.{submodule}")
+
+    cupy = _import_cupy()
+    index = torch.device(device if device is not None else "cuda").index
+    index = torch.cuda.current_device() if index is None else index
+    for name, (_, kernels) in _SOURCES.items():
+        module = _module(index, name)
+        with cupy.cuda.Device(index):
+            for kernel in kernels:
+                module.get_function(kernel)
+
+
+def is_compiled(device_index: int, module_name: str = "paged_stash") -> bool:
+    return (device_index, module_name) in _modules

@@ -1,0 +1,29 @@
+"""``graphstash bench``: benchmarks, each printed next to its baseline from the same run."""
+from __future__ import annotations
+
+import json
+
+SUITES = ("kernels",)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("suite", nargs="?", default="kernels", choices=SUITES + ("all",))
+    parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
+
+
+def main(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("graphstash bench: benchmarks time GPU kernels and need a CUDA GPU; none is visible")
+        return 2
+    suites = SUITES if args.suite == "all" else (args.suite,)
+    results = {}
+    for suite in suites:
+        module = __import__(f"graphstash.bench.{suite}", fromlist=["run"])
+        results[suite] = module.run(quick=args.quick)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0

@@ -1,0 +1,77 @@
+"""The ``graphstash`` command: ``info``, ``demo`` and ``bench``."""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+import torch
+
+
+def _info(args) -> int:
+    import numpy
+
+    import graphstash
+    from graphstash import _backend, _kernels
+
+    print(f"graphstash {graphstash.__version__}")
+    print(f"python     {platform.python_version()} ({sys.executable})")
+    print(f"torch      {torch.__version__} (CUDA build: {torch.version.cuda or 'none'})")
+    print(f"numpy      {numpy.__version__}")
+    try:
+        cupy = _kernels._import_cupy()
+        print(f"cupy       {cupy.__version__}")
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        print(f"cupy       not usable: {exc}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            print(f"gpu {i}      {p.name}, {p.total_memory / 2**30:.1f} GiB, "
+                  f"{p.multi_processor_count} SMs, compute capability {p.major}.{p.minor}")
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        print("gpu        none visible to torch")
+        device = torch.device("cpu")
+    backend, why = _backend.resolve("auto", device)
+    print(f"backend    {backend} for {device} tensors: {why}")
+    return 0
+
+
+def _demo(args) -> int:
+    from graphstash import demo
+
+    return demo.run(device=args.device, steps=args.steps, hidden=args.hidden, seed=args.seed)
+
+
+def _bench(args) -> int:
+    from graphstash import bench
+
+    return bench.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graphstash", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="versions, GPUs, and which backend would run")
+    p.set_defaults(func=_info)
+    p = sub.add_parser("demo", help="stash and reload activations; runs on a GPU or the CPU")
+    p.add_argument("--device", default="auto", help="auto (GPU if there is one), cuda or cpu")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--hidden", type=int, default=None, help="row width (default: by device)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_demo)
+    p = sub.add_parser("bench", help="benchmarks, each next to its baseline in the same run")
+    from graphstash import bench
+
+    bench.add_arguments(p)
+    p.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,29 @@
+"""Exceptions graphstash raises for its own failures.
+
+Bad arguments raise the built-in ``TypeError`` / ``ValueError`` naming the argument;
+everything below is a failure of graphstash's own state or environment.
+"""
+
+
+class GraphstashError(RuntimeError):
+    """Base class of graphstash's own failures."""
+
+
+class CaptureError(GraphstashError):
+    """An operation that would break (or was broken by) a CUDA graph capture."""
+
+
+class BackendUnavailableError(GraphstashError):
+    """The requested backend (for example the CuPy kernels) cannot run here."""
+
+
+class PoolExhaustedError(GraphstashError):
+    """An eager operation needed more pages or handle slots than the pool holds."""
+
+
+class StaleHandleError(GraphstashError):
+    """A handle used after its buffer was reset, released, or after it was reloaded."""
+
+
+class ReleasedError(GraphstashError):
+    """An object used after ``release()`` and before ``reallocate()`` / ``reset()``."""

@@ -1,0 +1,594 @@
+"""Paged stash storage: :class:`PagedStashBuffer` (pages in two tiers, device free lists,
+status flags, reset / release / reallocate) and :class:`PagedTensor` (a stashed tensor's handle).
+
+The hot path (``stash``, ``reload``, ``reset``) allocates no pool memory, never reads back to
+the host on the CuPy backend, and takes every count from device tensors; all pool memory is
+allocated when the buffer is created or reallocated.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import weakref
+
+import torch
+
+from . import _backend, _kernels
+from ._kernels import paged_stash as _cupy_paged
+from . import _layout as L
+from ._checks import check_counts, describe, forbid_capture, is_capturing, require_positive_int
+from .errors import CaptureError, PoolExhaustedError, ReleasedError, StaleHandleError
+from .reference import paged_stash as _reference
+
+__all__ = ["PagedStashBuffer", "PagedTensor"]
+
+
+class _RecordSlots:
+    """First-fit allocator of handle records in the int32 record table (host-side bookkeeping).
+
+    NOTE [record slots]: a record (header, counts, page ids) is written by the stash launch and
+    read by the reload launch. Slots are handed out on the host when a stash is enqueued and
+    freed when its reload is enqueued; the buffer's event chain (NOTE [buffer ordering] in
+    paged_stash.cu) orders a later stash that reuses the slot after that reload. The choice of
+    slot is deterministic, so a captured graph replays with the same slots.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._free: list[tuple[int, int]] = [(0, capacity)]   # sorted (start, length)
+
+    def alloc(self, length: int) -> int | None:
+        for i, (start, size) in enumerate(self._free):
+            if size >= length:
+                if size == length:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + length, size - length)
+                return start
+        return None
+
+    def free(self, start: int, length: int) -> None:
+        i = bisect.bisect_left(self._free, (start, 0))
+        self._free.insert(i, (start, length))
+        # merge with the right neighbour, then the left one
+        if i + 1 < len(self._free) and start + length == self._free[i + 1][0]:
+            self._free[i] = (start, length + self._free[i + 1][1])
+            del self._free[i + 1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == self._free[i][0]:
+            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
+            del self._free[i]
+
+    def reset(self) -> None:
+        self._free = [(0, self.capacity)]
+
+    @property
+    def free_entries(self) -> int:
+        return sum(size for _, size in self._free)
+
+
+@dataclasses.dataclass
+class _Pool:
+    """The tensors the kernels work on; both backends take this."""
+
+    dev_pages: torch.Tensor    # uint8 [num_dev, page_bytes], on the device
+    host_pages: torch.Tensor   # uint8 [num_host, page_bytes], pinned host memory (CPU for CPU)
+    dev_ring: torch.Tensor     # int32 [num_dev] page ids 0..num_dev-1, on the device
+    host_ring: torch.Tensor    # int32 [num_host] page ids num_dev..num_dev+num_host-1, on the device
+    state: torch.Tensor        # int64 [STATE_SIZE] ring counters and peaks, on the device
+    status: torch.Tensor       # int32 [STATUS_SIZE] sticky flags, on the device (maybe shared)
+    table: torch.Tensor        # int32 [record_entries] handle records, on the device
+    page_rows: int
+    page_bytes: int
+
+    @property
+    def num_dev(self) -> int:
+        return self.dev_pages.shape[0]
+
+    @property
+    def num_host(self) -> int:
+        return self.host_pages.shape[0]
+
+
+class PagedTensor:
+    """Handle of a tensor stashed in a :class:`PagedStashBuffer`; pass it to ``buf.reload``.
+
+    It holds no tensor data: the rows live in pool pages, described by a record (counts and
+    page ids) in the buffer's record table on the device.
+    """
+
+    __slots__ = ("_buffer", "_offset", "_length", "shape", "num_segments", "rows_per_segment",
+                 "_generation", "_reloaded", "_finalizer", "__weakref__")
+
+    def __init__(self, buffer, offset, length, shape, num_segments, rows_per_segment, generation):
+        self._buffer = buffer
+        self._offset = offset
+        self._length = length
+        self.shape = torch.Size(shape)
+        self.num_segments = num_segments
+        self.rows_per_segment = rows_per_segment
+        self._generation = generation
+        self._reloaded = False
+        self._finalizer = None
+
+    @property
+    def buffer(self) -> "PagedStashBuffer":
+        return self._buffer
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._buffer.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._buffer.device
+
+    @property
+    def reloaded(self) -> bool:
+        return self._reloaded
+
+    def record(self) -> dict:
+        """The handle's device record read back to the host (syncs; for diagnostics and tests).
+
+        Returns ``{"valid", "num_pages", "device_pages", "host_pages", "counts", "page_ids"}``;
+        ``valid`` is 1 when stored, 0 when the stash overflowed, -1 once reloaded.
+        """
+        forbid_capture("PagedTensor.record()")
+        self._buffer._require_live("PagedTensor.record")
+        rec = self._buffer._pool.table[self._offset: self._offset + self._length].tolist()
+        S = self.num_segments
+        pages = rec[L.H_PAGES] if rec[L.H_VALID] != 0 else 0
+        return {
+            "valid": rec[L.H_VALID],
+            "num_pages": rec[L.H_PAGES],
+            "device_pages": rec[L.H_DEV_PAGES],
+            "host_pages": rec[L.H_HOST_PAGES],
+            "counts": rec[L.H_COUNTS: L.H_COUNTS + S],
+            "page_ids": rec[L.H_HEADER + S: L.H_HEADER + S + pages],
+        }
+
+    def __repr__(self) -> str:
+        state = "reloaded" if self._reloaded else "stashed"
+        return (f"PagedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"segments={self.num_segments}, {state})")
+
+
+class PagedStashBuffer:
+    """A pool of fixed-size pages (device tier, then pinned-host tier) for stashing live rows.
+
+    ``stash(x, num_tokens)`` copies rows ``[0, n)`` of ``x`` (or of each segment) into pages
+    taken from device-side free lists and returns a :class:`PagedTensor`; ``reload`` copies
+    them back and frees the pages. When device pages run out mid-tensor the remaining pages go
+    to the host tier; when both run out the stash stores nothing and sets the sticky overflow
+    flag in :attr:`status`. Nothing reads back to the host on the CuPy backend, so stash and
+    reload replay inside CUDA graphs.
+
+    Args:
+        max_tokens: rows the device tier holds (rounded up to whole pages).
+        hidden_size: elements per row.
+        dtype: element type of the stashed tensors (any: the kernels move bytes).
+        device: where tensors live (``"cuda"``, ``"cuda:1"`` or ``"cpu"``).
+        page_size: rows per page.
+        host_tokens: rows the pinned-host tier holds (0: no host tier).
+        backend: ``"auto"``, ``"cupy"`` or ``"reference"``.
+        status: optional int32 ``[8]`` tensor on ``device`` shared with other buffers (a
+            manager's); by default the buffer owns one.
+        record_entries: int32 entries of the handle-record table (default: enough for every
+            page twice over, and at least 65536).
+
+    Example::
+
+        buf = graphstash.PagedStashBuffer(8192, 4096, dtype=torch.bfloat16)
+        x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
+        n = torch.tensor([5000], device="cuda", dtype=torch.int32)
+        handle = buf.stash(x, n)          # rows [0, 5000) now live in pages
+        del x                             # the static buffer can be freed / reused
+        y = buf.reload(handle)            # [16384, 4096]; rows [0, 5000) restored
+    """
+
+    def __init__(self, max_tokens: int, hidden_size: int, *, dtype: torch.dtype, device="cuda",
+                 page_size: int = 64, host_tokens: int = 0, backend: str = "auto",
+                 status: torch.Tensor | None = None, record_entries: int | None = None):
+        require_positive_int("max_tokens", max_tokens, allow_zero=True)
+        require_positive_int("hidden_size", hidden_size)
+        require_positive_int("page_size", page_size)
+        require_positive_int("host_tokens", host_tokens, allow_zero=True)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+        if max_tokens + host_tokens == 0:
+            raise ValueError("max_tokens: expected max_tokens + host_tokens > 0, got 0 + 0")
+        self._device = _normalize_device(device)
+        self._backend, self._backend_reason = _backend.resolve(backend, self._device)
+        self._dtype = dtype
+        self._hidden_size = hidden_size
+        self._page_size = page_size
+        self._row_bytes = hidden_size * torch.empty((), dtype=dtype).element_size()
+        if status is not None:
+            _check_status("status", status, self._device)
+        self._shared_status = status
+        self._record_entries = record_entries
+        if record_entries is not None:
+            require_positive_int("record_entries", record_entries)
+        self._generation = 0
+        self._event = None            # last stash/reload/reset, for NOTE [buffer ordering]
+        self._event_stream = None
+        self._event_captured = False
+        self._pool: _Pool | None = None
+        self._max_tokens = max_tokens
+        self._host_tokens = host_tokens
+        self._allocate()
+
+    # ---- properties ---------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return self._hidden_size
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def backend(self) -> str:
+        """``"cupy"`` or ``"reference"``: what ``backend="auto"`` resolved to."""
+        return self._backend
+
+    @property
+    def backend_reason(self) -> str:
+        return self._backend_reason
+
+    @property
+    def max_tokens(self) -> int:
+        return self._max_tokens
+
+    @property
+    def host_tokens(self) -> int:
+        return self._host_tokens
+
+    @property
+    def num_device_pages(self) -> int:
+        return -(-self._max_tokens // self._page_size)
+
+    @property
+    def num_host_pages(self) -> int:
+        return -(-self._host_tokens // self._page_size)
+
+    @property
+    def page_bytes(self) -> int:
+        return self._page_size * self._row_bytes
+
+    @property
+    def released(self) -> bool:
+        return self._pool is None
+
+    @property
+    def status(self) -> torch.Tensor:
+        """The int32 ``[8]`` device status tensor (sticky flags; see ``read_status``). No sync."""
+        self._require_live("status")
+        return self._pool.status
+
+    @property
+    def state(self) -> torch.Tensor:
+        """The int64 ``[16]`` device ring state (counters and peaks). No sync."""
+        self._require_live("state")
+        return self._pool.state
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of device memory the pages and bookkeeping take (0 after ``release()``)."""
+        if self._pool is None:
+            return 0
+        p = self._pool
+        return sum(t.numel() * t.element_size() for t in
+                   (p.dev_pages, p.dev_ring, p.host_ring, p.state, p.table))
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def _allocate(self) -> None:
+        device, P = self._device, self._page_size
+        num_dev, num_host = self.num_device_pages, self.num_host_pages
+        pin = device.type == "cuda" and num_host > 0
+        entries = self._record_entries or max(65536, 8 * (num_dev + num_host))
+        status = self._shared_status
+        if status is None:
+            status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)
+        self._pool = _Pool(
+            dev_pages=torch.empty((num_dev, P * self._row_bytes), dtype=torch.uint8, device=device),
+            host_pages=torch.empty((num_host, P * self._row_bytes), dtype=torch.uint8,
+                                   pin_memory=pin),
+            dev_ring=torch.empty(num_dev, dtype=torch.int32, device=device),
+            host_ring=torch.empty(num_host, dtype=torch.int32, device=device),
+            state=torch.zeros(L.STATE_SIZE, dtype=torch.int64, device=device),
+            status=status,
+            table=torch.zeros(entries, dtype=torch.int32, device=device),
+            page_rows=P,
+            page_bytes=P * self._row_bytes,
+        )
+        self._slots = _RecordSlots(entries)
+        self._init_rings(clear_peaks=True)
+
+    def _init_rings(self, clear_peaks: bool) -> None:
+        p = self._pool
+        torch.arange(p.num_dev, out=p.dev_ring)
+        torch.arange(p.num_dev, p.num_dev + p.num_host, out=p.host_ring)
+        if clear_peaks:
+            p.state.zero_()
+        else:
+            for i in (L.ST_DEV_HEAD, L.ST_HOST_HEAD, L.ST_DEMAND):
+                p.state[i] = 0
+        p.state[L.ST_DEV_TAIL] = p.num_dev
+        p.state[L.ST_HOST_TAIL] = p.num_host
+
+    def reset(self, *, clear_status: bool | None = None, clear_peaks: bool = False) -> None:
+        """Return every page to its ring; every outstanding handle becomes stale.
+
+        Graph-safe: no allocation, no host read. ``clear_status`` (default: only when the buffer
+        owns its status) also zeroes the sticky flags; ``clear_peaks`` the high-water marks.
+        """
+        self._require_live("reset")
+        self._order_before()
+        self._generation += 1
+        self._slots.reset()
+        self._init_rings(clear_peaks=clear_peaks)
+        if clear_status if clear_status is not None else self._shared_status is None:
+            self._pool.status.zero_()
+        self._order_after()
+
+    def release(self) -> None:
+        """Free the pages, rings and record table; ``reallocate()`` makes the buffer usable again.
+
+        Waits for the buffer's last kernel first (the pinned tier must not be reused under it).
+        """
+        forbid_capture("PagedStashBuffer.release()")
+        if self._pool is None:
+            return
+        if self._event is not None and not self._event_captured:
+            self._event.synchronize()
+        self._pool = None
+        self._slots = None
+        self._event = None
+        self._event_stream = None
+        self._generation += 1
+
+    def reallocate(self, max_tokens: int | None = None, host_tokens: int | None = None) -> None:
+        """(Re)allocate the pools, optionally with new sizes; outstanding handles become stale."""
+        forbid_capture("PagedStashBuffer.reallocate()")
+        if max_tokens is not None:
+            require_positive_int("max_tokens", max_tokens, allow_zero=True)
+        if host_tokens is not None:
+            require_positive_int("host_tokens", host_tokens, allow_zero=True)
+        new_max = self._max_tokens if max_tokens is None else max_tokens
+        new_host = self._host_tokens if host_tokens is None else host_tokens
+        if new_max + new_host == 0:
+            raise ValueError("max_tokens: expected max_tokens + host_tokens > 0, got 0 + 0")
+        self.release()
+        self._max_tokens, self._host_tokens = new_max, new_host
+        self._generation += 1
+        self._allocate()
+
+    # ---- ordering -----------------------------------------------------------------------
+    def _order_before(self) -> None:
+        """Make the current stream wait for this buffer's previous operation (another stream)."""
+        if self._device.type != "cuda" or self._event is None:
+            return
+        stream = torch.cuda.current_stream(self._device)
+        if self._event_captured != is_capturing():
+            return   # an event from the other side of a capture boundary orders nothing here
+        if self._event_stream != stream.cuda_stream:
+            stream.wait_event(self._event)
+
+    def _order_after(self) -> None:
+        if self._device.type != "cuda":
+            return
+        stream = torch.cuda.current_stream(self._device)
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record(stream)
+        self._event_stream = stream.cuda_stream
+        self._event_captured = is_capturing()
+
+    # ---- hot path -----------------------------------------------------------------------
+    def _require_live(self, op: str) -> None:
+        if self._pool is None:
+            raise ReleasedError(f"PagedStashBuffer.{op}: the buffer was released; "
+                                "call reallocate() first")
+
+    def _check_backend_capturable(self, op: str) -> None:
+        if not is_capturing():
+            return
+        if self._backend == "reference":
+            raise CaptureError(f"PagedStashBuffer.{op} with the reference backend reads counts "
+                               "back to the host and cannot be captured; use backend='cupy'")
+        if not _kernels.is_compiled(self._device.index):
+            raise CaptureError(f"PagedStashBuffer.{op}: the kernels are not compiled yet; call "
+                               "graphstash.warmup() before capturing")
+
+    def stash(self, x: torch.Tensor, num_tokens: torch.Tensor) -> PagedTensor:
+        """Copy the live rows of ``x`` into pages and return their handle.
+
+        Args:
+            x: ``[rows, hidden_size]`` (live rows ``[0, n)``) or segmented
+                ``[S, cap, hidden_size]`` (live rows ``[0, n_s)`` of each segment); dtype
+                ``self.dtype``, on ``self.device``, contiguous.
+            num_tokens: int32/int64 ``(1,)`` or ``(S,)`` on ``self.device``: live rows. A count
+                below 0 or above the rows of its segment sets the overflow flag (reason
+                ``count``) and stores nothing.
+
+        Returns:
+            A :class:`PagedTensor`. If the pool could not hold the rows, nothing is stored and
+            the status overflow flag is set; reloading that handle writes nothing.
+        """
+        self._require_live("stash")
+        S, cap = self._check_x("x", x)
+        counts = check_counts("num_tokens", num_tokens, device=self._device, segments=S)
+        self._check_backend_capturable("stash")
+        length = L.H_HEADER + S + S * (-(-cap // self._page_size))
+        offset = self._slots.alloc(length)
+        if offset is None:
+            raise PoolExhaustedError(
+                f"PagedStashBuffer.stash: the handle-record table ({self._slots.capacity} "
+                f"entries, {self._slots.free_entries} free) cannot hold {length} more; reload "
+                "or reset() outstanding handles, or pass a larger record_entries")
+        src = x.view(torch.uint8).view(S, cap, self._row_bytes)
+        self._order_before()
+        if self._backend == "cupy":
+            _cupy_paged.paged_stash(self._pool, src, counts, offset)
+        else:
+            _reference.stash(self._pool, src, counts, offset)
+        self._order_after()
+        handle = PagedTensor(self, offset, length, x.shape, S, cap, self._generation)
+        handle._finalizer = weakref.finalize(handle, self._release_slot, offset, length,
+                                             self._generation)
+        return handle
+
+    def reload(self, handle: PagedTensor, out: torch.Tensor | None = None,
+               zero_tail: bool = False) -> torch.Tensor:
+        """Copy a stashed tensor's rows back and return its pages to the free lists.
+
+        Args:
+            handle: a :class:`PagedTensor` from this buffer's ``stash``, not reloaded yet.
+            out: optional destination with the stashed tensor's shape, dtype and device,
+                contiguous; by default a new tensor (``torch.empty``) is returned.
+            zero_tail: also write zeros into the rows past the live count (per segment).
+
+        Returns:
+            ``out``: rows ``[0, n)`` hold the stashed rows; other rows are untouched unless
+            ``zero_tail``. If the stash had overflowed nothing is written.
+        """
+        self._require_live("reload")
+        if not isinstance(handle, PagedTensor):
+            raise TypeError(f"handle: expected a graphstash.PagedTensor, got {type(handle).__name__}")
+        if handle._buffer is not self:
+            raise ValueError("handle: it belongs to another PagedStashBuffer")
+        if handle._reloaded:
+            raise StaleHandleError("handle: it was already reloaded; each stash reloads once")
+        if handle._generation != self._generation:
+            raise StaleHandleError("handle: it was stashed before this buffer's last reset(), "
+                                   "release() or reallocate(); its pages were returned then")
+        if not isinstance(zero_tail, bool):
+            raise TypeError(f"zero_tail: expected a bool, got {type(zero_tail).__name__}")
+        if out is None:
+            out = torch.empty(handle.shape, dtype=self._dtype, device=self._device)
+        else:
+            self._check_out(out, handle)
+        self._check_backend_capturable("reload")
+        dst = out.view(torch.uint8).view(handle.num_segments, handle.rows_per_segment,
+                                         self._row_bytes)
+        self._order_before()
+        if self._backend == "cupy":
+            _cupy_paged.paged_reload(self._pool, dst, handle._offset, zero_tail)
+        else:
+            _reference.reload(self._pool, dst, handle._offset, zero_tail)
+        self._order_after()
+        handle._reloaded = True
+        handle._finalizer.detach()
+        self._slots.free(handle._offset, handle._length)
+        return out
+
+    def _release_slot(self, offset: int, length: int, generation: int) -> None:
+        # A handle dropped without reload: its record slot is free again (its pages come back
+        # at the next reset()). Stale generations were already freed by reset/release.
+        if generation == self._generation and self._slots is not None:
+            self._slots.free(offset, length)
+
+    # ---- checks -------------------------------------------------------------------------
+    def _check_x(self, name: str, x) -> tuple[int, int]:
+        expected = (f"a contiguous [rows, {self._hidden_size}] or [S, cap, {self._hidden_size}] "
+                    f"{self._dtype} tensor on {self._device}")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected {expected}, got {type(x).__name__}")
+        if x.dtype != self._dtype:
+            raise TypeError(f"{name}: expected {expected}, got {describe(x)}")
+        if x.device != self._device:
+            raise ValueError(f"{name}: expected {expected}, got {describe(x)}")
+        if x.dim() not in (2, 3) or x.shape[-1] != self._hidden_size:
+            raise ValueError(f"{name}: expected {expected}, got {describe(x)}")
+        if not x.is_contiguous():
+            raise ValueError(f"{name}: expected {expected}, got a non-contiguous tensor with "
+                             f"strides {x.stride()}")
+        S, cap = (1, x.shape[0]) if x.dim() == 2 else (x.shape[0], x.shape[1])
+        if S > _kernels.MAX_SEGMENTS:
+            raise ValueError(f"{name}: at most {_kernels.MAX_SEGMENTS} segments, got {S}")
+        return S, cap
+
+    def _check_out(self, out, handle: PagedTensor) -> None:
+        expected = f"a contiguous {self._dtype} tensor of shape {tuple(handle.shape)} on {self._device}"
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out: expected {expected}, got {type(out).__name__}")
+        if out.dtype != self._dtype:
+            raise TypeError(f"out: expected {expected}, got {describe(out)}")
+        if out.device != self._device or out.shape != handle.shape or not out.is_contiguous():
+            raise ValueError(f"out: expected {expected}, got {describe(out)}"
+                             + ("" if out.is_contiguous() else " (non-contiguous)"))
+
+    # ---- diagnostics --------------------------------------------------------------------
+    def read_status(self) -> dict:
+        """Flags and page counts read back to the host (syncs: for diagnostics, not the step).
+
+        Keys: ``overflow`` (bool), ``overflow_reasons`` (list of ``"pool"``/``"count"``),
+        ``host_spill``, ``over_budget`` (bools), ``pages_in_use``, ``host_pages_in_use``,
+        ``peak_pages``, ``peak_host_pages``, ``demand_pages``, ``peak_demand_pages``,
+        ``peak_tokens``, ``num_device_pages``, ``num_host_pages``, ``page_size``.
+        """
+        forbid_capture("PagedStashBuffer.read_status()")
+        self._require_live("read_status")
+        status = self._pool.status.tolist()
+        st = self._pool.state.tolist()
+        bits = status[L.SS_OVERFLOW]
+        num_dev, num_host = self.num_device_pages, self.num_host_pages
+        return {
+            "overflow": bits != 0,
+            "overflow_reasons": [name for bit, name in ((L.OVERFLOW_POOL, "pool"),
+                                                        (L.OVERFLOW_COUNT, "count")) if bits & bit],
+            "host_spill": bool(status[L.SS_HOST_SPILL]),
+            "over_budget": bool(status[L.SS_OVER_BUDGET]),
+            "pages_in_use": num_dev - (st[L.ST_DEV_TAIL] - st[L.ST_DEV_HEAD]),
+            "host_pages_in_use": num_host - (st[L.ST_HOST_TAIL] - st[L.ST_HOST_HEAD]),
+            "peak_pages": st[L.ST_DEV_PEAK],
+            "peak_host_pages": st[L.ST_HOST_PEAK],
+            "demand_pages": st[L.ST_DEMAND],
+            "peak_demand_pages": st[L.ST_DEMAND_PEAK],
+            "peak_tokens": st[L.ST_TOKENS_PEAK],
+            "num_device_pages": num_dev,
+            "num_host_pages": num_host,
+            "page_size": self._page_size,
+        }
+
+    def __repr__(self) -> str:
+        state = "released" if self._pool is None else f"{self.num_device_pages}+{self.num_host_pages} pages"
+        return (f"PagedStashBuffer(max_tokens={self._max_tokens}, hidden_size={self._hidden_size}, "
+                f"dtype={self._dtype}, device={self._device}, page_size={self._page_size}, "
+                f"host_tokens={self._host_tokens}, backend={self._backend!r}, {state})")
+
+
+def _normalize_device(device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError) as exc:
+        raise TypeError(f"device: expected a torch.device or device string, got {device!r}") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} requested but torch sees no CUDA device")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(f"device: expected a CUDA or CPU device, got {dev}")
+    return dev
+
+
+def _check_status(name: str, status, device: torch.device) -> None:
+    expected = f"an int32 tensor of shape ({L.STATUS_SIZE},) on {device}"
+    if not isinstance(status, torch.Tensor):
+        raise TypeError(f"{name}: expected {expected}, got {type(status).__name__}")
+    if status.dtype != torch.int32 or status.device != device or status.shape != (L.STATUS_SIZE,):
+        raise ValueError(f"{name}: expected {expected}, got {describe(status)}")
+
+
+def new_status(device) -> torch.Tensor:
+    """A zeroed int32 ``[8]`` status tensor on ``device`` to share among buffers."""
+    return torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=_normalize_device(device))
