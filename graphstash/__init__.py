@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .errors import (BackendUnavailableError, CaptureError, GraphstashError, PoolExhaustedError,
                      ReleasedError, StaleHandleError)
+from ._mode import dropless, is_dropless
 from .paging import PagedStashBuffer, PagedTensor, new_status
 
 __version__ = "0.1.0"
@@ -36,6 +37,8 @@ __all__ = [
     "PoolExhaustedError",
     "ReleasedError",
     "StaleHandleError",
+    "dropless",
+    "is_dropless",
     "new_status",
     "warmup",
     "__version__",
