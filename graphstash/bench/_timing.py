@@ -1,0 +1,73 @@
+"""Timing helpers for the benchmarks: CUDA events around graph replays, medians."""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name(torch.cuda.current_device())
+
+
+def capture(fn: Callable[[], None], warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """Run ``fn`` eagerly ``warmup`` times on a side stream, then capture it in a graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_replays(graph: torch.cuda.CUDAGraph, repeats: int = 7) -> float:
+    """Median milliseconds of one replay of ``graph`` (CUDA events; one warm-up replay)."""
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_calls(fn: Callable[[], None], repeats: int = 7, inner: int = 5) -> float:
+    """Median milliseconds per call of ``fn`` run eagerly ``inner`` times between events."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    return statistics.median(times)
+
+
+def print_table(title: str, columns: list[str], rows: list[list]) -> None:
+    cells = [[str(c) for c in columns]] + [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    print(f"\n{title}")
+    for k, r in enumerate(cells):
+        print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
