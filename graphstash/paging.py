@@ -77,6 +77,7 @@ class _Pool:
     state: torch.Tensor        # int64 [STATE_SIZE] ring counters and peaks, on the device
     status: torch.Tensor       # int32 [STATUS_SIZE] sticky flags, on the device (maybe shared)
     table: torch.Tensor        # int32 [record_entries] handle records, on the device
+    ring_init: torch.Tensor    # int64 [4] fresh (dev head, dev tail, host head, host tail)
     page_rows: int
     page_bytes: int
 
@@ -306,6 +307,7 @@ class PagedStashBuffer:
             state=torch.zeros(L.STATE_SIZE, dtype=torch.int64, device=device),
             status=status,
             table=torch.zeros(entries, dtype=torch.int32, device=device),
+            ring_init=torch.tensor([0, num_dev, 0, num_host], dtype=torch.int64, device=device),
             page_rows=P,
             page_bytes=P * self._row_bytes,
         )
@@ -313,16 +315,14 @@ class PagedStashBuffer:
         self._init_rings(clear_peaks=True)
 
     def _init_rings(self, clear_peaks: bool) -> None:
+        # In-place device ops only (fills, a device-to-device copy): capturable, no host read.
         p = self._pool
         torch.arange(p.num_dev, out=p.dev_ring)
         torch.arange(p.num_dev, p.num_dev + p.num_host, out=p.host_ring)
         if clear_peaks:
             p.state.zero_()
-        else:
-            for i in (L.ST_DEV_HEAD, L.ST_HOST_HEAD, L.ST_DEMAND):
-                p.state[i] = 0
-        p.state[L.ST_DEV_TAIL] = p.num_dev
-        p.state[L.ST_HOST_TAIL] = p.num_host
+        p.state[L.ST_DEV_HEAD: L.ST_HOST_TAIL + 1].copy_(p.ring_init)
+        p.state[L.ST_DEMAND].zero_()
 
     def reset(self, *, clear_status: bool | None = None, clear_peaks: bool = False) -> None:
         """Return every page to its ring; every outstanding handle becomes stale.

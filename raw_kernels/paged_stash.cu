@@ -23,15 +23,22 @@
 #ifndef GS_MAX_SEGMENTS
 #define GS_MAX_SEGMENTS 1024    // most segments (experts) one tensor may have
 #endif
+#ifndef GS_MIN_BLOCKS
+#define GS_MIN_BLOCKS 1         // __launch_bounds__ occupancy hint (caps registers when > 1)
+#endif
+#ifndef GS_STREAMING
+#define GS_STREAMING 1          // 1: evict-first loads/stores (__ldcs/__stcs): rows are moved once
+#endif
 
 #define GS_WARPS (GS_THREADS / 32)
 
-// Per-block view of a tensor's segments: live rows and the exclusive prefix sum of pages.
+// Per-block view of a tensor's segments, built once per block from the S live counts.
 struct SegmentTable {
-    int prefix[GS_MAX_SEGMENTS + 1];   // prefix[s] = first page of segment s; prefix[S] = total
-    int count[GS_MAX_SEGMENTS];        // live rows of segment s
-    int warp_sums[GS_WARPS];
-    long long rows_total;
+    long long rows[GS_MAX_SEGMENTS + 1];   // rows[s] = live rows before segment s; rows[S] = all
+    int pages[GS_MAX_SEGMENTS + 1];        // pages[s] = first page of segment s; pages[S] = all
+    int count[GS_MAX_SEGMENTS];            // live rows of segment s
+    long long warp_rows[GS_WARPS];
+    int warp_pages[GS_WARPS];
 };
 
 __device__ __forceinline__ int load_count(const void* counts, int is64, int s) {
@@ -43,17 +50,55 @@ __device__ __forceinline__ int load_count(const void* counts, int is64, int s) {
     return reinterpret_cast<const int*>(counts)[s];
 }
 
+// Exclusive block-wide prefix sum (warp shuffles, then the warp totals); total via *total.
+template <typename T>
+__device__ T block_exclusive_scan(T value, T* warp_totals, T* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    T incl = value;
+    #pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        T y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) warp_totals[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        T w = lane < GS_WARPS ? warp_totals[lane] : T(0);
+        #pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            T y = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += y;
+        }
+        if (lane < GS_WARPS) warp_totals[lane] = w;
+    }
+    __syncthreads();
+    *total = warp_totals[GS_WARPS - 1];
+    return (warp ? warp_totals[warp - 1] : T(0)) + incl - value;
+}
+
 // Fill the segment table from S counts (device memory, int32 or int64 by is64).
-// Returns, block-uniformly, whether any count was < 0 or > cap.
+// Returns, block-uniformly, whether any count was < 0 or > cap (such counts read as 0).
 __device__ bool build_segments(SegmentTable& t, const void* counts, int is64, int S, int cap,
                                int page_rows) {
+    if (S == 1) {   // the common unsegmented case: one count, one barrier
+        int n = load_count(counts, is64, 0);
+        const bool bad = n < 0 || n > cap;
+        if (bad) n = 0;
+        if (threadIdx.x == 0) {
+            t.count[0] = n;
+            t.pages[0] = 0;
+            t.pages[1] = (n + page_rows - 1) / page_rows;
+            t.rows[0] = 0;
+            t.rows[1] = n;
+        }
+        return __syncthreads_or(bad) != 0;
+    }
     const int per_thread = (S + GS_THREADS - 1) / GS_THREADS;
     const int first = threadIdx.x * per_thread;
-    int local_pages = 0;
-    int bad = 0;
+    int local_pages = 0, bad = 0;
     long long local_rows = 0;
     for (int i = 0; i < per_thread; ++i) {
-        int s = first + i;
+        const int s = first + i;
         if (s < S) {
             int n = load_count(counts, is64, s);
             if (n < 0 || n > cap) { bad = 1; n = 0; }
@@ -62,75 +107,92 @@ __device__ bool build_segments(SegmentTable& t, const void* counts, int is64, in
             local_rows += n;
         }
     }
-    // Block-wide exclusive scan of local_pages: warp shuffles, then the warp totals.
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int incl = local_pages;
-    #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        int y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-    }
-    if (lane == 31) t.warp_sums[warp] = incl;
-    if (threadIdx.x == 0) t.rows_total = 0;
-    __syncthreads();
-    if (warp == 0) {
-        int w = lane < GS_WARPS ? t.warp_sums[lane] : 0;
-        #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            int y = __shfl_up_sync(0xffffffffu, w, o);
-            if (lane >= o) w += y;
-        }
-        if (lane < GS_WARPS) t.warp_sums[lane] = w;
-    }
-    __syncthreads();
-    int offset = (warp ? t.warp_sums[warp - 1] : 0) + incl - local_pages;
+    int total_pages;
+    long long total_rows;
+    int page_offset = block_exclusive_scan<int>(local_pages, t.warp_pages, &total_pages);
+    long long row_offset = block_exclusive_scan<long long>(local_rows, t.warp_rows, &total_rows);
     for (int i = 0; i < per_thread; ++i) {
-        int s = first + i;
+        const int s = first + i;
         if (s < S) {
-            t.prefix[s] = offset;
-            offset += (t.count[s] + page_rows - 1) / page_rows;
+            t.pages[s] = page_offset;
+            t.rows[s] = row_offset;
+            page_offset += (t.count[s] + page_rows - 1) / page_rows;
+            row_offset += t.count[s];
         }
     }
-    if (threadIdx.x == 0) t.prefix[S] = t.warp_sums[GS_WARPS - 1];
-    if (local_rows) atomicAdd(reinterpret_cast<unsigned long long*>(&t.rows_total),
-                              static_cast<unsigned long long>(local_rows));
+    if (threadIdx.x == 0) { t.pages[S] = total_pages; t.rows[S] = total_rows; }
     return __syncthreads_or(bad) != 0;
 }
 
-// Segment holding page g: the last s with prefix[s] <= g (segments without pages are skipped).
-__device__ __forceinline__ int segment_of(const SegmentTable& t, int S, int g) {
+// Last s in [0, S) with key(s) <= x, for a non-decreasing key.
+template <typename Key>
+__device__ __forceinline__ int find_segment(int S, long long x, Key key) {
     int lo = 0, hi = S - 1;
     while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if (t.prefix[mid] <= g) lo = mid; else hi = mid - 1;
+        const int mid = (lo + hi + 1) >> 1;
+        if (key(mid) <= x) lo = mid; else hi = mid - 1;
     }
     return lo;
 }
 
-// Copy up to one chunk (GS_THREADS * GS_UNROLL vectors) of n_vec vectors from src to dst.
 template <typename V>
-__device__ __forceinline__ void copy_chunk(V* __restrict__ dst, const V* __restrict__ src, int n_vec) {
-    V r[GS_UNROLL];
-    #pragma unroll
-    for (int u = 0; u < GS_UNROLL; ++u) {
-        int i = threadIdx.x + u * GS_THREADS;
-        if (i < n_vec) r[u] = src[i];
-    }
-    #pragma unroll
-    for (int u = 0; u < GS_UNROLL; ++u) {
-        int i = threadIdx.x + u * GS_THREADS;
-        if (i < n_vec) dst[i] = r[u];
+__device__ __forceinline__ V load_vec(const V* p) {
+#if GS_STREAMING
+    return __ldcs(p);
+#else
+    return *p;
+#endif
+}
+
+template <typename V>
+__device__ __forceinline__ void store_vec(V* p, V v) {
+#if GS_STREAMING
+    __stcs(p, v);
+#else
+    *p = v;
+#endif
+}
+
+// Copy n bytes (a multiple of sizeof(V)) with every thread keeping GS_UNROLL vectors in flight.
+template <typename V>
+__device__ __forceinline__ void copy_span(unsigned char* __restrict__ dst,
+                                          const unsigned char* __restrict__ src, long long n) {
+    constexpr long long chunk = static_cast<long long>(GS_THREADS) * GS_UNROLL * sizeof(V);
+    V* d = reinterpret_cast<V*>(dst);
+    const V* s = reinterpret_cast<const V*>(src);
+    for (long long base = 0; base < n; base += chunk) {
+        const int n_vec = static_cast<int>(min(chunk, n - base) / static_cast<long long>(sizeof(V)));
+        const long long v0 = base / static_cast<long long>(sizeof(V));
+        V r[GS_UNROLL];
+        #pragma unroll
+        for (int u = 0; u < GS_UNROLL; ++u) {
+            const int i = threadIdx.x + u * GS_THREADS;
+            if (i < n_vec) r[u] = load_vec(s + v0 + i);
+        }
+        #pragma unroll
+        for (int u = 0; u < GS_UNROLL; ++u) {
+            const int i = threadIdx.x + u * GS_THREADS;
+            if (i < n_vec) store_vec(d + v0 + i, r[u]);
+        }
     }
 }
 
 template <typename V>
-__device__ __forceinline__ void zero_chunk(V* __restrict__ dst, int n_vec) {
+__device__ __forceinline__ void zero_span(unsigned char* __restrict__ dst, long long n) {
+    V* d = reinterpret_cast<V*>(dst);
     const V z{};
-    #pragma unroll
-    for (int u = 0; u < GS_UNROLL; ++u) {
-        int i = threadIdx.x + u * GS_THREADS;
-        if (i < n_vec) dst[i] = z;
-    }
+    const long long n_vec = n / static_cast<long long>(sizeof(V));
+    for (long long i = threadIdx.x; i < n_vec; i += GS_THREADS) d[i] = z;
+}
+
+// This block's share [begin, end) of a byte stream of `bytes` bytes, cut at vector boundaries:
+// NOTE [balanced split] every block of the (fully resident) grid gets the same number of
+// vectors, so no block is left with a whole extra chunk at the end of the launch.
+template <typename V>
+__device__ __forceinline__ void block_share(long long bytes, long long* begin, long long* end) {
+    const long long n_vec = bytes / static_cast<long long>(sizeof(V));
+    *begin = n_vec * blockIdx.x / gridDim.x * static_cast<long long>(sizeof(V));
+    *end = n_vec * (blockIdx.x + 1) / gridDim.x * static_cast<long long>(sizeof(V));
 }
 
 __device__ __forceinline__ unsigned char* page_address(unsigned char* dev_pages,
@@ -152,12 +214,34 @@ __device__ __forceinline__ bool is_last_block(long long* ticket, int* s_flag) {
     return *s_flag != 0;
 }
 
+// Walk this block's share of the live rows, one piece (the part of a share inside one page) at
+// a time; calls visit(segment, page index g, offset in segment, offset in page, piece bytes).
+template <typename V, typename Visit>
+__device__ __forceinline__ void for_each_piece(const SegmentTable& t, int S, long long row_bytes,
+                                               long long page_bytes, Visit visit) {
+    long long o, end;
+    block_share<V>(t.rows[S] * row_bytes, &o, &end);
+    if (o >= end) return;
+    int s = S == 1 ? 0 : find_segment(S, o, [&](int k) { return t.rows[k] * row_bytes; });
+    while (o < end) {
+        const long long seg_begin = t.rows[s] * row_bytes, seg_end = t.rows[s + 1] * row_bytes;
+        if (o >= seg_end) { ++s; continue; }
+        const long long in_seg = o - seg_begin;
+        const int lp = static_cast<int>(in_seg / page_bytes);
+        const long long in_page = in_seg - lp * page_bytes;
+        const long long piece = min(end, min(seg_end, seg_begin + (lp + 1) * page_bytes)) - o;
+        visit(s, t.pages[s] + lp, in_seg, in_page, piece);
+        o += piece;
+    }
+}
+
 // ---------------------------------------------------------------------------------------
-// gs_stash_v<W>: grid-stride over (page, chunk) items, one chunk = GS_THREADS*GS_UNROLL
-// vectors of W bytes. Every block reads counts and ring counters and reaches the same
-// decision (NOTE [buffer ordering]); the block holding chunk 0 of a page writes its id into
-// the handle record. The last block (ticket) writes the record header and counts, moves
-// the ring heads, the peaks and the status flags (atomicOr/atomicMax: status is shared).
+// gs_stash_v<W>: persistent grid; each block copies an equal share of the live bytes
+// (NOTE [balanced split]) in W-byte vectors. Every block reads counts and ring counters and
+// reaches the same decision (NOTE [buffer ordering]); the block whose share holds the first
+// byte of a page writes that page's id into the handle record. The last block (ticket) writes
+// the record header and counts, moves the ring heads, the peaks and the status flags
+// (atomicOr/atomicMax: status is shared between buffers).
 // ---------------------------------------------------------------------------------------
 template <typename V>
 __device__ void stash_impl(const unsigned char* __restrict__ src, long long seg_stride,
@@ -169,10 +253,11 @@ __device__ void stash_impl(const unsigned char* __restrict__ src, long long seg_
                            int* rec) {
     __shared__ SegmentTable t;
     __shared__ int s_last;
-    const bool bad = build_segments(t, counts, counts_is64, S, cap, page_rows);
-    const int total = t.prefix[S];
+    // ring counters first: their loads overlap the count load and the scan
     const long long dev_head = state[GS_ST_DEV_HEAD], dev_tail = state[GS_ST_DEV_TAIL];
     const long long host_head = state[GS_ST_HOST_HEAD], host_tail = state[GS_ST_HOST_TAIL];
+    const bool bad = build_segments(t, counts, counts_is64, S, cap, page_rows);
+    const int total = t.pages[S];
     const int dev_free = static_cast<int>(dev_tail - dev_head);
     const int host_free = static_cast<int>(host_tail - host_head);
     const int dev_take = bad ? 0 : min(total, dev_free);
@@ -180,29 +265,15 @@ __device__ void stash_impl(const unsigned char* __restrict__ src, long long seg_
     const bool stored = !bad && host_take <= host_free;
 
     if (stored) {
-        constexpr int chunk_bytes = GS_THREADS * GS_UNROLL * static_cast<int>(sizeof(V));
-        const int chunks_per_page = static_cast<int>((page_bytes + chunk_bytes - 1) / chunk_bytes);
-        const int items = total * chunks_per_page;
-        for (int item = blockIdx.x; item < items; item += gridDim.x) {
-            const int g = item / chunks_per_page;
-            const int c = item - g * chunks_per_page;
-            const int s = S == 1 ? 0 : segment_of(t, S, g);
-            const int lp = g - t.prefix[s];
-            const int rows = min(page_rows, t.count[s] - lp * page_rows);
-            const long long bytes = rows * row_bytes;
-            const long long off = static_cast<long long>(c) * chunk_bytes;
-            if (off >= bytes) continue;
-            const int page_id = g < dev_take
-                ? dev_ring[(dev_head + g) % num_dev]
-                : host_ring[(host_head + (g - dev_take)) % num_host];
-            if (c == 0 && threadIdx.x == 0) rec[GS_H_HEADER + S + g] = page_id;
-            const unsigned char* from = src + s * seg_stride +
-                                        static_cast<long long>(lp) * page_rows * row_bytes + off;
-            unsigned char* to = page_address(dev_pages, host_pages, num_dev, page_bytes, page_id) + off;
-            const int n_vec = static_cast<int>(min(static_cast<long long>(chunk_bytes), bytes - off) /
-                                               static_cast<long long>(sizeof(V)));
-            copy_chunk<V>(reinterpret_cast<V*>(to), reinterpret_cast<const V*>(from), n_vec);
-        }
+        for_each_piece<V>(t, S, row_bytes, page_bytes,
+            [&](int s, int g, long long in_seg, long long in_page, long long piece) {
+                const int page_id = g < dev_take
+                    ? dev_ring[(dev_head + g) % num_dev]
+                    : host_ring[(host_head + (g - dev_take)) % num_host];
+                if (in_page == 0 && threadIdx.x == 0) rec[GS_H_HEADER + S + g] = page_id;
+                copy_span<V>(page_address(dev_pages, host_pages, num_dev, page_bytes, page_id) + in_page,
+                             src + s * seg_stride + in_seg, piece);
+            });
     }
 
     if (!is_last_block(&state[GS_ST_STASH_TICKET], &s_last)) return;
@@ -228,7 +299,7 @@ __device__ void stash_impl(const unsigned char* __restrict__ src, long long seg_
             const long long demand = state[GS_ST_DEMAND] + total;
             state[GS_ST_DEMAND] = demand;
             if (demand > state[GS_ST_DEMAND_PEAK]) state[GS_ST_DEMAND_PEAK] = demand;
-            const long long rows = t.rows_total;
+            const long long rows = t.rows[S];
             if (rows > state[GS_ST_TOKENS_PEAK]) state[GS_ST_TOKENS_PEAK] = rows;
             atomicMax(&status[GS_SS_TOKENS_PEAK], static_cast<int>(min(rows, 0x7fffffffLL)));
         }
@@ -237,11 +308,12 @@ __device__ void stash_impl(const unsigned char* __restrict__ src, long long seg_
 }
 
 // ---------------------------------------------------------------------------------------
-// gs_reload_v<W>: grid-stride over the handle's (page, chunk) items, then, with zero_tail,
-// over (segment, chunk) items zero-filling rows [n_s, cap). The block holding chunk 0 of a
-// page returns its id to the ring slot tail + (index of the page within its tier). The last
-// block moves the ring tails, lowers the demand and marks the record consumed (-1). A record
-// that was not stored (valid != 1) makes the launch write nothing but the demand change.
+// gs_reload_v<W>: persistent grid; each block copies an equal share of the live bytes back
+// from the pages and, with zero_tail, zero-fills an equal share of the dead rows [n_s, cap).
+// The block whose share holds the first byte of a page returns the page to its ring, at slot
+// tail + (index of the page within its tier). The last block moves the ring tails, lowers the
+// demand and marks the record consumed (-1). A record that was not stored (valid != 1) makes
+// the launch write nothing but the demand change.
 // ---------------------------------------------------------------------------------------
 template <typename V>
 __device__ void reload_impl(unsigned char* __restrict__ dst, long long seg_stride,
@@ -253,52 +325,37 @@ __device__ void reload_impl(unsigned char* __restrict__ dst, long long seg_strid
     __shared__ SegmentTable t;
     __shared__ int s_last;
     const int valid = rec[GS_H_VALID];
-    build_segments(t, rec + GS_H_COUNTS, 0, S, cap, page_rows);
-    const int total = t.prefix[S];
     const int dev_pages_n = rec[GS_H_DEV_PAGES];
     const int host_pages_n = rec[GS_H_HOST_PAGES];
     const long long dev_tail = state[GS_ST_DEV_TAIL], host_tail = state[GS_ST_HOST_TAIL];
-    constexpr int chunk_bytes = GS_THREADS * GS_UNROLL * static_cast<int>(sizeof(V));
+    build_segments(t, rec + GS_H_COUNTS, 0, S, cap, page_rows);
 
     if (valid == 1) {
-        const int chunks_per_page = static_cast<int>((page_bytes + chunk_bytes - 1) / chunk_bytes);
-        const int copy_items = total * chunks_per_page;
-        const long long seg_bytes = static_cast<long long>(cap) * row_bytes;
-        const int zero_per_seg = zero_tail ? static_cast<int>((seg_bytes + chunk_bytes - 1) / chunk_bytes) : 0;
-        const int items = copy_items + S * zero_per_seg;
-        for (int item = blockIdx.x; item < items; item += gridDim.x) {
-            if (item < copy_items) {
-                const int g = item / chunks_per_page;
-                const int c = item - g * chunks_per_page;
-                const int s = S == 1 ? 0 : segment_of(t, S, g);
-                const int lp = g - t.prefix[s];
-                const int rows = min(page_rows, t.count[s] - lp * page_rows);
-                const long long bytes = rows * row_bytes;
-                const long long off = static_cast<long long>(c) * chunk_bytes;
-                if (off >= bytes) continue;
+        for_each_piece<V>(t, S, row_bytes, page_bytes,
+            [&](int s, int g, long long in_seg, long long in_page, long long piece) {
                 const int page_id = rec[GS_H_HEADER + S + g];
-                if (c == 0 && threadIdx.x == 0) {
+                if (in_page == 0 && threadIdx.x == 0) {
                     if (g < dev_pages_n) dev_ring[(dev_tail + g) % num_dev] = page_id;
                     else host_ring[(host_tail + (g - dev_pages_n)) % num_host] = page_id;
                 }
-                const unsigned char* from =
-                    page_address(const_cast<unsigned char*>(dev_pages),
-                                 const_cast<unsigned char*>(host_pages), num_dev, page_bytes, page_id) + off;
-                unsigned char* to = dst + s * seg_stride +
-                                    static_cast<long long>(lp) * page_rows * row_bytes + off;
-                const int n_vec = static_cast<int>(min(static_cast<long long>(chunk_bytes), bytes - off) /
-                                                   static_cast<long long>(sizeof(V)));
-                copy_chunk<V>(reinterpret_cast<V*>(to), reinterpret_cast<const V*>(from), n_vec);
-            } else {
-                const int z = item - copy_items;
-                const int s = z / zero_per_seg;
-                const int c = z - s * zero_per_seg;
-                const long long start = static_cast<long long>(t.count[s]) * row_bytes;
-                const long long off = start + static_cast<long long>(c) * chunk_bytes;
-                if (off >= seg_bytes) continue;
-                const int n_vec = static_cast<int>(min(static_cast<long long>(chunk_bytes), seg_bytes - off) /
-                                                   static_cast<long long>(sizeof(V)));
-                zero_chunk<V>(reinterpret_cast<V*>(dst + s * seg_stride + off), n_vec);
+                copy_span<V>(dst + s * seg_stride + in_seg,
+                             page_address(const_cast<unsigned char*>(dev_pages),
+                                          const_cast<unsigned char*>(host_pages), num_dev,
+                                          page_bytes, page_id) + in_page,
+                             piece);
+            });
+        if (zero_tail) {
+            // The dead rows, segment after segment: dead(s) rows lie before segment s.
+            auto dead_before = [&](int k) { return (static_cast<long long>(k) * cap - t.rows[k]) * row_bytes; };
+            long long o, end;
+            block_share<V>(dead_before(S), &o, &end);
+            int s = o < end ? (S == 1 ? 0 : find_segment(S, o, dead_before)) : S;
+            while (o < end) {
+                const long long seg_begin = dead_before(s), seg_end = dead_before(s + 1);
+                if (o >= seg_end) { ++s; continue; }
+                const long long piece = min(end, seg_end) - o;
+                zero_span<V>(dst + s * seg_stride + t.count[s] * row_bytes + (o - seg_begin), piece);
+                o += piece;
             }
         }
     }
@@ -335,10 +392,10 @@ __device__ void reload_impl(unsigned char* __restrict__ dst, long long seg_strid
 // One pair of entry points per vector width W (bytes); the loader picks the widest W that
 // divides the row width and every base address.
 #define GS_INSTANTIATE(W, V)                                                                   \
-    extern "C" __global__ void __launch_bounds__(GS_THREADS) gs_stash_v##W(GS_STASH_ARGS) {    \
+    extern "C" __global__ void __launch_bounds__(GS_THREADS, GS_MIN_BLOCKS) gs_stash_v##W(GS_STASH_ARGS) {    \
         stash_impl<V>(GS_STASH_PASS);                                                          \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GS_THREADS) gs_reload_v##W(GS_RELOAD_ARGS) {  \
+    extern "C" __global__ void __launch_bounds__(GS_THREADS, GS_MIN_BLOCKS) gs_reload_v##W(GS_RELOAD_ARGS) {  \
         reload_impl<V>(GS_RELOAD_PASS);                                                        \
     }
 

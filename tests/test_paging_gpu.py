@@ -3,6 +3,7 @@ ring state and flags; plus streams, CUDA-graph capture and out-of-range counts."
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ def random_ops(rng, n_ops, segments, cap):
 ])
 @pytest.mark.parametrize("segments", [0, 5])
 def test_kernels_equal_reference_on_random_sequences(dtype, hidden, segments):
-    rng = random.Random(hash((str(dtype), hidden, segments)) & 0xffff)
+    rng = random.Random(zlib.crc32(f"{dtype}-{hidden}-{segments}".encode()))
     cap = 70
     # small tiers so that sequences spill to host and overflow
     fast, ref = pair(12 * 16, hidden, dtype, host_tokens=6 * 16)
@@ -121,7 +122,7 @@ def test_count_beyond_rows_sets_flag_without_out_of_bounds_access():
 
 
 def test_stash_and_reload_on_side_streams_are_ordered():
-    buf = PagedStashBuffer(1 << 14, 1024, dtype=torch.bfloat16, device="cuda", page_size=64)
+    buf = PagedStashBuffer(1 << 15, 1024, dtype=torch.bfloat16, device="cuda", page_size=64)
     pack, unpack = torch.cuda.Stream(), torch.cuda.Stream()
     xs = [pattern((4096, 1024), torch.bfloat16, salt=i, device="cuda") for i in range(6)]
     n = [torch.tensor([4096 - 300 * i], dtype=torch.int32, device="cuda") for i in range(6)]

@@ -9,6 +9,7 @@ carry). Grid arithmetic lives here.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 import numpy as np
@@ -20,13 +21,21 @@ from .._checks import forbid_capture
 from ..errors import BackendUnavailableError
 
 # Tunables: compiled into the kernels with -D (the .cu files hold the same defaults).
+# GRAPHSTASH_TUNABLES="THREADS=512,UNROLL=8" overrides them (for tuning runs).
 THREADS = 256
 UNROLL = 4
 MAX_SEGMENTS = 1024
-BLOCKS_PER_SM = 8          # persistent grid: blocks launched per multiprocessor
+MIN_BLOCKS = 1             # __launch_bounds__ minimum blocks per multiprocessor
+STREAMING = 1              # evict-first loads and stores
+BLOCKS_PER_SM = 8          # persistent grid: at most this many blocks per multiprocessor
+for _item in filter(None, os.environ.get("GRAPHSTASH_TUNABLES", "").split(",")):
+    _name, _value = _item.split("=")
+    if _name not in ("THREADS", "UNROLL", "MIN_BLOCKS", "STREAMING", "BLOCKS_PER_SM"):
+        raise ValueError(f"GRAPHSTASH_TUNABLES: unknown tunable {_name!r}")
+    globals()[_name] = int(_value)
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)
 # launcher submodules of this package; each calls register_source() for its .cu file
-KERNEL_MODULES = ("paged_stash",)
+KERNEL_MODULES = ("paged_stash", "moe")
 
 # module name -> (source file, kernel names compiled by warmup()); filled by register_source
 _SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {}
@@ -68,6 +77,8 @@ def compile_options() -> tuple[str, ...]:
         f"-DGS_THREADS={THREADS}",
         f"-DGS_UNROLL={UNROLL}",
         f"-DGS_MAX_SEGMENTS={MAX_SEGMENTS}",
+        f"-DGS_MIN_BLOCKS={MIN_BLOCKS}",
+        f"-DGS_STREAMING={STREAMING}",
     )
 
 
@@ -100,10 +111,11 @@ def _cupy_stream(device_index: int):
     wrapped = _streams.get(key)
     if wrapped is None:
         cupy = _import_cupy()
-        from_external = getattr(cupy.cuda.Stream, "from_external", None)
         with cupy.cuda.Device(device_index):
-            wrapped = from_external(stream.cuda_stream) if from_external is not None \
-                else cupy.cuda.ExternalStream(stream.cuda_stream)
+            try:   # CuPy >= 13 takes any object with __cuda_stream__ (torch streams have it)
+                wrapped = cupy.cuda.Stream.from_external(stream)
+            except (AttributeError, TypeError):
+                wrapped = cupy.cuda.ExternalStream(stream.cuda_stream)
         _streams[key] = wrapped
     return wrapped
 
@@ -113,9 +125,31 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def grid_size(items: int, device_index: int) -> int:
-    """Persistent grid: enough blocks to fill every multiprocessor, no more than the items."""
-    return max(1, min(items, _sm_count(device_index) * BLOCKS_PER_SM))
+_resident: dict[tuple[int, str, str], int] = {}
+
+
+def resident_blocks(device_index: int, module_name: str, kernel: str) -> int:
+    """Blocks of ``kernel`` that fit on the whole device at once (its persistent grid size).
+
+    From the kernel's registers and static shared memory and the device's per-multiprocessor
+    limits; cached per (device, kernel).
+    """
+    key = (device_index, module_name, kernel)
+    blocks = _resident.get(key)
+    if blocks is None:
+        func = _function(device_index, module_name, kernel)
+        props = torch.cuda.get_device_properties(device_index)
+        regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+        threads_per_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+        smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+        regs_per_warp = -(-func.num_regs * 32 // 256) * 256        # allocated per warp, in 256s
+        by_regs = regs_per_sm // max(1, regs_per_warp * (THREADS // 32))
+        by_smem = smem_per_sm // (func.shared_size_bytes + 1024)   # 1 KiB reserved per block
+        by_threads = threads_per_sm // THREADS
+        per_sm = max(1, min(by_regs, by_smem, by_threads, BLOCKS_PER_SM))
+        blocks = per_sm * _sm_count(device_index)
+        _resident[key] = blocks
+    return blocks
 
 
 def chunk_bytes(width: int) -> int:
@@ -137,9 +171,10 @@ def ptr(t: torch.Tensor) -> np.uint64:
 
 
 def launch(module_name: str, kernel: str, items: int, device_index: int, args: tuple) -> None:
-    """Launch ``kernel`` on torch's current stream with a persistent grid over ``items``."""
+    """Launch ``kernel`` on torch's current stream: a persistent grid of the blocks that fit on
+    the device at once, but no more than ``items`` (units of work the launch may find)."""
     func = _function(device_index, module_name, kernel)
-    grid = (grid_size(items, device_index), 1, 1)
+    grid = (max(1, min(items, resident_blocks(device_index, module_name, kernel))), 1, 1)
     with _cupy_stream(device_index):
         func(grid, (THREADS, 1, 1), args)
 

@@ -10,6 +10,11 @@ register_source("paged_stash", "paged_stash.cu",
                 tuple(f"gs_{op}_v{w}" for op in ("stash", "reload") for w in VECTOR_WIDTHS))
 
 
+def _chunks(max_bytes: int, width: int) -> int:
+    """Blocks worth launching for at most ``max_bytes`` of rows (NOTE [balanced split])."""
+    return -(-max_bytes // chunk_bytes(width))
+
+
 def _pool_args(pool):
     return (ptr(pool.dev_pages), ptr(pool.host_pages), np.int32(pool.num_dev),
             np.int32(pool.num_host))
@@ -20,14 +25,12 @@ def paged_stash(pool, src: torch.Tensor, counts: torch.Tensor, rec_offset: int) 
     S, cap, row_bytes = src.shape
     width = vector_width(row_bytes, src.data_ptr(), pool.dev_pages.data_ptr(),
                          pool.host_pages.data_ptr())
-    chunks_per_page = -(-pool.page_bytes // chunk_bytes(width))
-    max_pages = S * (-(-cap // pool.page_rows))
     rec_ptr = np.uint64(pool.table.data_ptr() + 4 * rec_offset)
     args = (ptr(src), np.int64(cap * row_bytes), np.int64(row_bytes), np.int32(S), np.int32(cap),
             ptr(counts), np.int32(counts.dtype == torch.int64), np.int32(pool.page_rows),
             np.int64(pool.page_bytes), *_pool_args(pool), ptr(pool.dev_ring),
             ptr(pool.host_ring), ptr(pool.state), ptr(pool.status), rec_ptr)
-    launch("paged_stash", f"gs_stash_v{width}", max_pages * chunks_per_page,
+    launch("paged_stash", f"gs_stash_v{width}", _chunks(S * cap * row_bytes, width),
            src.device.index, args)
 
 
@@ -36,16 +39,11 @@ def paged_reload(pool, dst: torch.Tensor, rec_offset: int, zero_tail: bool) -> N
     S, cap, row_bytes = dst.shape
     width = vector_width(row_bytes, dst.data_ptr(), pool.dev_pages.data_ptr(),
                          pool.host_pages.data_ptr())
-    chunk = chunk_bytes(width)
-    chunks_per_page = -(-pool.page_bytes // chunk)
-    max_pages = S * (-(-cap // pool.page_rows))
-    items = max_pages * chunks_per_page
-    if zero_tail:
-        items += S * (-(-(cap * row_bytes) // chunk))
     rec_ptr = np.uint64(pool.table.data_ptr() + 4 * rec_offset)
     args = (ptr(dst), np.int64(cap * row_bytes), np.int64(row_bytes), np.int32(S), np.int32(cap),
             np.int32(pool.page_rows), np.int64(pool.page_bytes), *_pool_args(pool),
             ptr(pool.dev_ring), ptr(pool.host_ring), ptr(pool.state), rec_ptr,
             np.int32(bool(zero_tail)))
-    launch("paged_stash", f"gs_reload_v{width}", items, dst.device.index, args)
+    launch("paged_stash", f"gs_reload_v{width}", _chunks(S * cap * row_bytes, width),
+           dst.device.index, args)
 

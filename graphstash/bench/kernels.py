@@ -109,6 +109,13 @@ def run(quick: bool = False) -> dict:
     rows = [[r["tier"], r["dtype"], r["hidden"], r["rows"], r["live"], r["live_mib"], r["torch_ms"],
              r["graphstash_ms"], r["torch_gbs"], r["graphstash_gbs"], r["ratio"]] for r in results]
     host = _host_time_per_call()
+    from .. import _kernels
+
+    dev = torch.cuda.current_device()
+    print(f"\nkernel tunables: threads {_kernels.THREADS}, unroll {_kernels.UNROLL}, streaming "
+          f"{_kernels.STREAMING}, min blocks {_kernels.MIN_BLOCKS}; persistent grid "
+          f"{_kernels.resident_blocks(dev, 'paged_stash', 'gs_stash_v16')} blocks (stash), "
+          f"{_kernels.resident_blocks(dev, 'paged_stash', 'gs_reload_v16')} (reload)")
     print_table(f"stash + reload vs torch copy of the same live bytes on {gpu_name()} "
                 f"(ratio = torch time / graphstash time)", cols, rows)
     print(f"\nhost time per eager call: stash {host['stash_us']:.1f} us, reload "

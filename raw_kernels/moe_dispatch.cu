@@ -1,0 +1,198 @@
+// MoE token dispatch and combine: move token rows between the token order and the
+// expert-grouped (permuted) order of a static-budget buffer.
+//
+// The routing metadata (counts per expert, padded offsets, each pair's destination row and
+// its inverse) is computed on the device by graphstash.moe before these kernels run; the
+// kernels only move and reduce rows, so every launch has a static shape and never reads
+// anything back to the host.
+//
+// NOTE [exact arithmetic]: the weighted sums use __fmul_rn / __fadd_rn (no FMA contraction),
+// accumulate in float (double for float64 data), slot by slot in k order, and round once to
+// the output dtype with round-to-nearest-even. graphstash/reference/moe.py performs the same
+// operations in the same order, so GPU and reference results agree bit for bit.
+#ifndef GS_THREADS
+#define GS_THREADS 256          // threads per block
+#endif
+
+#define GS_WARPS (GS_THREADS / 32)
+
+// ---- dtype traits: storage type, accumulator, conversions --------------------------------
+struct Bf16 { unsigned short bits; };
+struct F16 { unsigned short bits; };
+
+__device__ __forceinline__ float to_acc(Bf16 v) {
+    return __uint_as_float(static_cast<unsigned int>(v.bits) << 16);
+}
+__device__ __forceinline__ float to_acc(F16 v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+    return f;
+}
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+template <typename T> __device__ __forceinline__ T from_acc(typename Acc<T>::type v);
+template <> __device__ __forceinline__ Bf16 from_acc<Bf16>(float f) {
+    unsigned int u = __float_as_uint(f);
+    Bf16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) { r.bits = 0x7fc0; return r; }   // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);                                       // round to nearest even
+    r.bits = static_cast<unsigned short>(u >> 16);
+    return r;
+}
+template <> __device__ __forceinline__ F16 from_acc<F16>(float f) {
+    F16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+    return r;
+}
+template <> __device__ __forceinline__ float from_acc<float>(float f) { return f; }
+template <> __device__ __forceinline__ double from_acc<double>(double f) { return f; }
+
+__device__ __forceinline__ float acc_mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float acc_add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double acc_mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ double acc_add(double a, double b) { return __dadd_rn(a, b); }
+
+// N elements loaded and stored together (16 bytes when the row and pointers allow it).
+template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
+
+// ---------------------------------------------------------------------------------------
+// gs_moe_gather_v<W>: dst[i] = index[i] >= 0 ? src[index[i]] : 0, a bitwise row copy.
+// Grid-stride over the flat (row, vector) space of dst, W-byte vectors, 64-bit offsets; each
+// dst element is written exactly once (zero for rows without a source: padding, budget tail,
+// dropped). No atomics; index is read once per vector (cached).
+// ---------------------------------------------------------------------------------------
+template <typename V>
+__device__ void gather_impl(V* __restrict__ dst, const V* __restrict__ src,
+                            const int* __restrict__ index, long long rows_out,
+                            long long vec_per_row, long long src_rows) {
+    const long long total = rows_out * vec_per_row;
+    const long long stride = static_cast<long long>(gridDim.x) * GS_THREADS;
+    for (long long v = static_cast<long long>(blockIdx.x) * GS_THREADS + threadIdx.x; v < total;
+         v += stride) {
+        const long long row = v / vec_per_row;
+        const long long col = v - row * vec_per_row;
+        const int j = __ldg(index + row);
+        V value{};
+        if (j >= 0 && j < src_rows) value = src[static_cast<long long>(j) * vec_per_row + col];
+        dst[v] = value;
+    }
+}
+
+#define GS_GATHER(W, V)                                                                        \
+    extern "C" __global__ void __launch_bounds__(GS_THREADS)                                   \
+        gs_moe_gather_v##W(V* dst, const V* src, const int* index, long long rows_out,         \
+                           long long vec_per_row, long long src_rows) {                        \
+        gather_impl<V>(dst, src, index, rows_out, vec_per_row, src_rows);                      \
+    }
+GS_GATHER(16, uint4)
+GS_GATHER(8, uint2)
+GS_GATHER(4, unsigned int)
+GS_GATHER(2, unsigned short)
+GS_GATHER(1, unsigned char)
+
+// ---------------------------------------------------------------------------------------
+// gs_moe_combine_<dtype>_p<N>: dst[i] = sum_k weight[i, k] * src[index[i, k]] over the K
+// slots of row i with index >= 0 (weight == nullptr means 1). Grid-stride over the flat
+// (row, pack) space of dst, N elements per pack; each dst pack is written once, accumulated
+// in registers in k order (NOTE [exact arithmetic]). No atomics.
+// ---------------------------------------------------------------------------------------
+template <typename T, int N>
+__device__ void combine_impl(T* __restrict__ dst, const T* __restrict__ src,
+                             const int* __restrict__ index,
+                             const typename Acc<T>::type* __restrict__ weight, int K,
+                             long long rows_out, long long hidden, long long src_rows) {
+    using A = typename Acc<T>::type;
+    using P = Pack<T, N>;
+    const long long packs_per_row = hidden / N;
+    const long long total = rows_out * packs_per_row;
+    const long long stride = static_cast<long long>(gridDim.x) * GS_THREADS;
+    for (long long v = static_cast<long long>(blockIdx.x) * GS_THREADS + threadIdx.x; v < total;
+         v += stride) {
+        const long long row = v / packs_per_row;
+        const long long col = v - row * packs_per_row;
+        A acc[N];
+        #pragma unroll
+        for (int e = 0; e < N; ++e) acc[e] = A(0);
+        for (int k = 0; k < K; ++k) {
+            const int j = __ldg(index + row * K + k);
+            if (j < 0 || j >= src_rows) continue;
+            const P p = reinterpret_cast<const P*>(src + static_cast<long long>(j) * hidden)[col];
+            if (weight != nullptr) {
+                const A w = weight[row * K + k];
+                #pragma unroll
+                for (int e = 0; e < N; ++e) acc[e] = acc_add(acc[e], acc_mul(w, to_acc(p.v[e])));
+            } else {
+                #pragma unroll
+                for (int e = 0; e < N; ++e) acc[e] = acc_add(acc[e], to_acc(p.v[e]));
+            }
+        }
+        P out;
+        #pragma unroll
+        for (int e = 0; e < N; ++e) out.v[e] = from_acc<T>(acc[e]);
+        reinterpret_cast<P*>(dst + row * hidden)[col] = out;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// gs_moe_weight_grad_<dtype>: out[p] = sum_h grad[p / K, h] * src[index[p], h] (0 when
+// index[p] < 0), the router-weight gradient of combine. One warp per pair p, grid-stride
+// over pairs; lanes stride the row (coalesced), then a fixed shuffle tree reduces, so the
+// result is deterministic. Lane 0 writes out[p] (accumulator dtype). No atomics.
+// ---------------------------------------------------------------------------------------
+template <typename T>
+__device__ void weight_grad_impl(typename Acc<T>::type* __restrict__ out,
+                                 const T* __restrict__ grad, const T* __restrict__ src,
+                                 const int* __restrict__ index, int K, long long pairs,
+                                 long long hidden, long long src_rows) {
+    using A = typename Acc<T>::type;
+    const int lane = threadIdx.x & 31;
+    const long long warps = static_cast<long long>(gridDim.x) * GS_WARPS;
+    for (long long p = static_cast<long long>(blockIdx.x) * GS_WARPS + (threadIdx.x >> 5);
+         p < pairs; p += warps) {
+        const int j = index[p];
+        A acc = A(0);
+        if (j >= 0 && j < src_rows) {
+            const T* g = grad + (p / K) * hidden;
+            const T* s = src + static_cast<long long>(j) * hidden;
+            for (long long h = lane; h < hidden; h += 32)
+                acc = acc_add(acc, acc_mul(to_acc(g[h]), to_acc(s[h])));
+        }
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc = acc_add(acc, __shfl_down_sync(0xffffffffu, acc, o));
+        if (lane == 0) out[p] = acc;
+    }
+}
+
+#define GS_COMBINE(NAME, T, N)                                                                 \
+    extern "C" __global__ void __launch_bounds__(GS_THREADS)                                   \
+        gs_moe_combine_##NAME##_p##N(T* dst, const T* src, const int* index,                   \
+                                     const Acc<T>::type* weight, int K, long long rows_out,    \
+                                     long long hidden, long long src_rows) {                   \
+        combine_impl<T, N>(dst, src, index, weight, K, rows_out, hidden, src_rows);            \
+    }
+#define GS_WEIGHT_GRAD(NAME, T)                                                                \
+    extern "C" __global__ void __launch_bounds__(GS_THREADS)                                   \
+        gs_moe_weight_grad_##NAME(Acc<T>::type* out, const T* grad, const T* src,              \
+                                  const int* index, int K, long long pairs, long long hidden,  \
+                                  long long src_rows) {                                        \
+        weight_grad_impl<T>(out, grad, src, index, K, pairs, hidden, src_rows);               \
+    }
+
+// One combine per dtype and pack size (16-byte packs, or single elements when the row width
+// or a base address does not allow them); one weight-gradient kernel per dtype.
+GS_COMBINE(bf16, Bf16, 8)
+GS_COMBINE(bf16, Bf16, 1)
+GS_COMBINE(f16, F16, 8)
+GS_COMBINE(f16, F16, 1)
+GS_COMBINE(f32, float, 4)
+GS_COMBINE(f32, float, 1)
+GS_COMBINE(f64, double, 2)
+GS_COMBINE(f64, double, 1)
+GS_WEIGHT_GRAD(bf16, Bf16)
+GS_WEIGHT_GRAD(f16, F16)
+GS_WEIGHT_GRAD(f32, float)
+GS_WEIGHT_GRAD(f64, double)
