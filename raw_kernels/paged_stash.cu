@@ -15,10 +15,10 @@
 #include "gs_layout.cuh"
 
 #ifndef GS_THREADS
-#define GS_THREADS 256          // threads per block
+#define GS_THREADS 512          // threads per block
 #endif
 #ifndef GS_UNROLL
-#define GS_UNROLL 4             // vectors each thread keeps in flight per chunk
+#define GS_UNROLL 8             // vectors each thread keeps in flight per chunk
 #endif
 #ifndef GS_MAX_SEGMENTS
 #define GS_MAX_SEGMENTS 1024    // most segments (experts) one tensor may have
@@ -27,7 +27,7 @@
 #define GS_MIN_BLOCKS 1         // __launch_bounds__ occupancy hint (caps registers when > 1)
 #endif
 #ifndef GS_STREAMING
-#define GS_STREAMING 1          // 1: evict-first loads/stores (__ldcs/__stcs): rows are moved once
+#define GS_STREAMING 0          // 1: evict-first loads/stores (__ldcs/__stcs): rows are moved once
 #endif
 
 #define GS_WARPS (GS_THREADS / 32)

@@ -22,11 +22,11 @@ from ..errors import BackendUnavailableError
 
 # Tunables: compiled into the kernels with -D (the .cu files hold the same defaults).
 # GRAPHSTASH_TUNABLES="THREADS=512,UNROLL=8" overrides them (for tuning runs).
-THREADS = 256
-UNROLL = 4
+THREADS = 512
+UNROLL = 8
 MAX_SEGMENTS = 1024
 MIN_BLOCKS = 1             # __launch_bounds__ minimum blocks per multiprocessor
-STREAMING = 1              # evict-first loads and stores
+STREAMING = 0              # 1: evict-first loads and stores (measured slower)
 BLOCKS_PER_SM = 8          # persistent grid: at most this many blocks per multiprocessor
 for _item in filter(None, os.environ.get("GRAPHSTASH_TUNABLES", "").split(",")):
     _name, _value = _item.split("=")
