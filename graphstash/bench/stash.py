@@ -1,0 +1,310 @@
+"""``graphstash bench stash``: stashing activations through autograd, next to its baselines.
+
+An MoE-like stack (each layer an expert MLP on a static ``[budget, hidden]`` buffer with a
+device count of live rows, masked residual) runs forward + backward three ways in the same
+process: without stashing, with :func:`graphstash.stash_activations`, and an exact-size eager
+version (each layer computes on its live rows only, what a dropless eager step would do).
+It reports peak memory of the step's activations, step time (eagerly and replayed from a
+CUDA graph) and, from CUDA events, how much of the stash/reload copy time ran beside compute.
+
+The model and the schedule runner are also what ``tests/test_stash*.py`` use.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..stash import StashConfig, StashManager, stash_activations
+
+
+class ExpertStack(torch.nn.Module):
+    """``layers`` expert MLPs on a static budget buffer: ``x <- x + mask_l * W2 gelu(W1 x + b1)``.
+
+    ``x`` is ``[budget, hidden]`` (or ``[S, cap, hidden]`` with ``segments=S``, one expert per
+    segment); ``mask_l`` keeps rows ``[0, n_l)`` (of each segment), ``n_l`` a device count.
+    """
+
+    def __init__(self, layers: int, hidden: int, ffn: int, *, segments: int = 1,
+                 dtype=torch.float32, device="cpu", generator: torch.Generator | None = None):
+        super().__init__()
+        self.segments = segments
+        shape1 = (hidden, ffn) if segments == 1 else (segments, hidden, ffn)
+        shape2 = (ffn, hidden) if segments == 1 else (segments, ffn, hidden)
+        bias = (ffn,) if segments == 1 else (segments, 1, ffn)
+        def param(shape, fan_in):
+            t = torch.randn(shape, generator=generator) / math.sqrt(fan_in)
+            return torch.nn.Parameter(t.to(dtype=dtype, device=device))
+        self.w1 = torch.nn.ParameterList([param(shape1, hidden) for _ in range(layers)])
+        self.b1 = torch.nn.ParameterList([param(bias, 4.0) for _ in range(layers)])
+        self.w2 = torch.nn.ParameterList([param(shape2, ffn) for _ in range(layers)])
+        self.compute_events: list | None = None      # set to [] to time each expert MLP
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.w1)
+
+    def expert(self, l: int, x: torch.Tensor) -> torch.Tensor:
+        if self.segments == 1:
+            h = torch.addmm(self.b1[l], x, self.w1[l])
+            return F.gelu(h) @ self.w2[l]
+        h = torch.baddbmm(self.b1[l], x, self.w1[l])
+        return torch.bmm(F.gelu(h), self.w2[l])
+
+    def mask(self, x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        if self.segments == 1:
+            rows = torch.arange(x.shape[0], device=x.device)
+            return (rows < count).to(x.dtype).unsqueeze(1)
+        rows = torch.arange(x.shape[1], device=x.device)
+        return (rows.unsqueeze(0) < count.unsqueeze(1)).to(x.dtype).unsqueeze(2)
+
+    def forward(self, x: torch.Tensor, counts: list, layers=None, manager=None) -> torch.Tensor:
+        """Run ``layers`` (default: all) on ``x``; ``counts[l]``: int32 ``(1,)`` or ``(S,)``
+        device tensor of live rows of layer ``l``; stash through ``manager`` if given."""
+        for l in (range(self.num_layers) if layers is None else layers):
+            timing = self.compute_events is not None and x.is_cuda
+            if timing:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+            if manager is not None:
+                with stash_activations(counts[l], manager=manager, name=f"layer{l}"):
+                    y = self.expert(l, x)
+            else:
+                y = self.expert(l, x)
+            if timing:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.compute_events.append((l, start, end))
+            x = x + self.mask(x, counts[l]) * y
+        return x
+
+    def forward_exact(self, x: torch.Tensor, counts_host: list) -> torch.Tensor:
+        """Exact-size eager version: layer ``l`` computes on its ``counts_host[l]`` live rows."""
+        for l in range(self.num_layers):
+            n = counts_host[l]
+            y = self.expert(l, x[:n])
+            x = torch.cat([x[:n] + y, x[n:]]) if n < x.shape[0] else x + y
+        return x
+
+
+def one_f_one_b(microbatches: int, chunks: int, warmup: int | None = None) -> list:
+    """An interleaved 1F1B-like order: ``[("F" | "B", microbatch, chunk), ...]``.
+
+    Forwards run microbatch by microbatch through chunks ``0..C-1``; after ``warmup`` forwards
+    (default ``C + 1``) one backward follows each forward where its dependencies allow
+    (chunk ``c`` of a microbatch after its chunk ``c + 1`` and after its whole forward).
+    """
+    warmup = chunks + 1 if warmup is None else warmup
+    fwd = [(m, c) for m in range(microbatches) for c in range(chunks)]
+    bwd = [(m, c) for m in range(microbatches) for c in reversed(range(chunks))]
+    done_f, order, fi, bi = set(), [], 0, 0
+    while fi < len(fwd) or bi < len(bwd):
+        b_ready = bi < len(bwd) and (bwd[bi][0], chunks - 1) in done_f
+        if fi < len(fwd) and (fi < warmup or not b_ready or len(order) % 2 == 0):
+            order.append(("F",) + fwd[fi])
+            done_f.add(fwd[fi])
+            fi += 1
+        else:
+            order.append(("B",) + bwd[bi])
+            bi += 1
+    return order
+
+
+def run_schedule(model: ExpertStack, inputs: list, counts: list, order: list, chunks: int,
+                 manager=None) -> torch.Tensor:
+    """Forward/backward microbatches in ``order`` (from :func:`one_f_one_b`) as a pipeline
+    with ``chunks`` virtual stages; gradients accumulate into the parameters.
+
+    ``inputs[m]``: the microbatch's ``[budget, hidden]`` input; ``counts[m][l]``: layer
+    ``l``'s count. Returns the sum of the microbatch losses (detached).
+    """
+    L = model.num_layers
+    per = -(-L // chunks)
+    spans = [range(c * per, min(L, (c + 1) * per)) for c in range(chunks)]
+    acts, grads, total = {}, {}, None
+    for kind, m, c in order:
+        if kind == "F":
+            src = inputs[m] if c == 0 else acts[(m, c - 1)][1].detach().requires_grad_(True)
+            out = model(src, counts[m], spans[c], manager)
+            if c == chunks - 1:
+                out = out.float().square().mean()
+                total = out.detach() if total is None else total + out.detach()
+            acts[(m, c)] = (src, out)
+        else:
+            src, out = acts.pop((m, c))
+            if c == chunks - 1:
+                out.backward()
+            else:
+                out.backward(grads.pop((m, c)))
+            if c > 0:
+                grads[(m, c - 1)] = src.grad
+    return total
+
+
+def make_inputs(microbatches: int, rows: int, hidden: int, *, segments: int = 1,
+                dtype=torch.float32, device="cpu", generator=None) -> list:
+    """Inputs whose row ``i`` holds values derived from ``i`` (plus fresh noise)."""
+    out = []
+    for m in range(microbatches):
+        shape = (rows, hidden) if segments == 1 else (segments, rows, hidden)
+        idx = torch.arange(rows, dtype=torch.float32).view(*([1] * (len(shape) - 2)), rows, 1)
+        col = torch.arange(hidden, dtype=torch.float32)
+        base = torch.sin(idx * 0.37 + col * 0.11 + m) + 0.25 * torch.randn(shape, generator=generator)
+        out.append(base.to(dtype=dtype, device=device))
+    return out
+
+
+# ---- the benchmark ------------------------------------------------------------------------
+def _step(model, x, counts, manager=None):
+    if manager is not None:
+        manager.begin_step()
+    loss = model(x, counts, manager=manager).float().square().mean()
+    loss.backward()
+    if manager is not None:
+        manager.end_step()
+    return loss
+
+
+def _peak(fn) -> int:
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def _time(fn, iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def _graphed(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _overlap(copies, computes) -> float:
+    """Fraction of the copy time that falls inside some compute interval."""
+    total = sum(e - s for _, s, e in copies)
+    if total <= 0:
+        return 0.0
+    covered = 0.0
+    for _, s, e in copies:
+        spans = sorted((max(s, cs), min(e, ce)) for cs, ce in computes if ce > s and cs < e)
+        last = s
+        for a, b in spans:
+            a = max(a, last)
+            if b > a:
+                covered += b - a
+                last = b
+    return covered / total
+
+
+def _config_run(name, layers, budget, hidden, ffn, iters, graphs, device):
+    import graphstash
+
+    gen = torch.Generator().manual_seed(0)
+    model = ExpertStack(layers, hidden, ffn, dtype=torch.bfloat16, device=device, generator=gen)
+    live = budget // 2
+    x = make_inputs(1, budget, hidden, dtype=torch.bfloat16, device=device, generator=gen)[0]
+    counts = [torch.tensor([live], dtype=torch.int32, device=device) for _ in range(layers)]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    manager = StashManager(StashConfig(), device=device)
+    for _ in range(2):                       # warmup: demand measured, then buffers sized
+        _step(model, x, counts, manager)
+    manager.size_from_demand()
+    graphstash.warmup()
+    pool = sum(b.device_bytes for b in manager.buffers.values())
+    res = {"layers": layers, "budget": budget, "live": live, "hidden": hidden, "ffn": ffn,
+           "pool_bytes": pool}
+    res["peak_plain"] = _peak(lambda: _step(model, x, counts))
+    res["peak_stash"] = _peak(lambda: _step(model, x, counts, manager)) + pool
+    res["peak_exact"] = _peak(lambda: model.forward_exact(x, [live] * layers).float().square()
+                              .mean().backward())
+    res["time_plain_ms"] = _time(lambda: _step(model, x, counts), iters)
+    res["time_stash_ms"] = _time(lambda: _step(model, x, counts, manager), iters)
+    res["time_exact_ms"] = _time(lambda: model.forward_exact(x, [live] * layers).float()
+                                 .square().mean().backward(), iters)
+    # overlap evidence: copy intervals (side streams) against expert compute intervals
+    manager._start_timeline()
+    model.compute_events = []
+    base = torch.cuda.Event(enable_timing=True)
+    base.record()
+    _step(model, x, counts, manager)
+    copies = manager._copy_intervals(base)
+    computes = [(base.elapsed_time(s), base.elapsed_time(e)) for _, s, e in model.compute_events]
+    model.compute_events = None
+    manager._timeline = None
+    res["copies"] = [(k, g, round(s, 3), round(e, 3)) for k, g, _, s, e in copies]
+    res["copy_ms"] = sum(e - s for _, _, _, s, e in copies)
+    res["copy_overlap"] = _overlap([(k, s, e) for k, _, _, s, e in copies], computes)
+    if graphs:
+        try:
+            g_plain = _graphed(lambda: _step(model, x, counts))
+            res["graph_plain_ms"] = _time(g_plain.replay, iters)
+            del g_plain
+            g_stash = _graphed(lambda: _step(model, x, counts, manager))
+            res["graph_stash_ms"] = _time(g_stash.replay, iters)
+            del g_stash
+            res["status_after"] = {k: v for k, v in manager.read_status().items()
+                                   if k in ("overflow", "host_spill")}
+        except Exception as exc:      # report it next to the eager numbers
+            res["graph_error"] = f"{type(exc).__name__}: {exc}"
+    manager.release()
+    return name, res
+
+
+def run(quick: bool = False) -> dict:
+    """Run the benchmark on the current CUDA device; print a table and return the numbers."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("graphstash bench stash: needs a CUDA GPU; torch sees none")
+    device = torch.device("cuda", torch.cuda.current_device())
+    iters = 3 if quick else 10
+    configs = [("memory", 8, 4096 if quick else 8192, 1024, 4096),
+               ("compute-heavy", 8, 4096 if quick else 8192, 2048 if quick else 4096,
+                8192 if quick else 16384)]
+    results = {}
+    for name, layers, budget, hidden, ffn in configs:
+        key, res = _config_run(name, layers, budget, hidden, ffn, iters, True, device)
+        results[key] = res
+        torch.cuda.empty_cache()
+    mib = 1 / 2**20
+    print(f"stash_activations on {torch.cuda.get_device_name(device)} (bf16, budget = 2 x live)")
+    print(f"{'config':<14} {'L':>2} {'budget':>6} {'hidden':>6} {'ffn':>6} | "
+          f"{'peak MiB plain':>14} {'stash':>8} {'ratio':>6} {'exact':>8} | "
+          f"{'ms plain':>8} {'stash':>8} {'ratio':>6} {'exact':>8} | "
+          f"{'graph plain':>11} {'stash':>8} | {'copy ms':>7} {'overlap':>7}")
+    for name, r in results.items():
+        gp, gs = r.get("graph_plain_ms"), r.get("graph_stash_ms")
+        print(f"{name:<14} {r['layers']:>2} {r['budget']:>6} {r['hidden']:>6} {r['ffn']:>6} | "
+              f"{r['peak_plain'] * mib:>14.1f} {r['peak_stash'] * mib:>8.1f} "
+              f"{r['peak_stash'] / r['peak_plain']:>6.3f} {r['peak_exact'] * mib:>8.1f} | "
+              f"{r['time_plain_ms']:>8.2f} {r['time_stash_ms']:>8.2f} "
+              f"{r['time_stash_ms'] / r['time_plain_ms']:>6.3f} {r['time_exact_ms']:>8.2f} | "
+              f"{(f'{gp:.2f}' if gp else '-'):>11} {(f'{gs:.2f}' if gs else '-'):>8} | "
+              f"{r['copy_ms']:>7.2f} {r['copy_overlap']:>7.1%}")
+        if "graph_error" in r:
+            print(f"  graph capture failed: {r['graph_error']}")
+    print("peak: max allocated during one fwd+bwd above the memory before it (stash: plus its "
+          "pool); overlap: share of stash/reload copy time inside an expert-compute interval")
+    return results

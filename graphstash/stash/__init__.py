@@ -1,0 +1,17 @@
+"""Autograd integration of the paged stash: saved-tensor hooks, layer groups, pack/unpack
+streams, schedule recording and reload prefetch.
+
+``stash_activations(num_tokens)`` marks a layer group; a :class:`StashManager` owns the
+:class:`~graphstash.PagedStashBuffer`\\ s (one per dtype and row width), the side streams and
+the status tensor; :class:`StashConfig` says how it sizes them. See the NOTE blocks in
+``manager.py`` for the scheduling (pre-schedule, prefetch, warmup sizing, capture).
+"""
+from __future__ import annotations
+
+from ._marks import mark_not_stashable
+from .config import StashConfig
+from .context import current_manager, stash_activations
+from .manager import StashManager
+
+__all__ = ["StashConfig", "StashManager", "current_manager", "mark_not_stashable",
+           "stash_activations"]

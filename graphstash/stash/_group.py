@@ -1,0 +1,99 @@
+"""Per-step bookkeeping of a layer group: the tensors autograd saved inside one
+``stash_activations`` context and where each of them is (held, stashed, reloaded)."""
+from __future__ import annotations
+
+import torch
+
+
+class Scope:
+    """One ``stash_activations`` context: the live-row counts its saved tensors go with.
+
+    ``num_tokens`` is an int32/int64 ``(S,)`` tensor on the manager's device; ``max_tokens``
+    pins the budget (rows, or rows per segment) or is ``None`` (inferred; NOTE [budget]).
+    """
+
+    __slots__ = ("num_tokens", "segments", "max_tokens", "snapshot", "counts_host")
+
+    def __init__(self, num_tokens: torch.Tensor, max_tokens: int | None):
+        self.num_tokens = num_tokens
+        self.segments = num_tokens.shape[0]
+        self.max_tokens = max_tokens
+        self.snapshot = None        # clone of num_tokens taken when the group's stash is issued
+        self.counts_host = None     # counts read back in a warmup step (NOTE [warmup sizing])
+
+
+class Entry:
+    """What the pack hook returns for a candidate tensor; the unpack hook gets it back.
+
+    ``tensor`` holds the original until its stash completed (NOTE [pre-schedule]) or for good
+    when it is kept; ``handle`` is its :class:`PagedTensor` between stash and reload; ``out``
+    the reloaded tensor, referenced for as long as autograd holds this entry.
+    """
+
+    __slots__ = ("group", "tensor", "scope", "shape", "dtype", "layout", "key", "handle", "out",
+                 "stashed", "unpacked", "record_len")
+
+    def __init__(self, group: "Group", tensor: torch.Tensor, scope: Scope):
+        self.group = group
+        self.tensor = tensor
+        self.scope = scope
+        self.shape = tensor.shape
+        self.dtype = tensor.dtype
+        self.layout = None          # (S, cap, width) once classified as budget-shaped
+        self.key = None             # (dtype, width): the buffer it goes to
+        self.handle = None
+        self.out = None
+        self.stashed = False
+        self.unpacked = False
+        self.record_len = 0
+
+    def stash_view(self) -> torch.Tensor:
+        S, cap, width = self.layout
+        return self.tensor.view(cap, width) if S == 1 else self.tensor.view(S, cap, width)
+
+    def reload_shape(self) -> tuple:
+        S, cap, width = self.layout
+        return (cap, width) if S == 1 else (S, cap, width)
+
+
+class Group:
+    """A layer group: the saved tensors of one outermost ``stash_activations`` context."""
+
+    def __init__(self, manager, gid: int, name: str | None, ring_generation: int, step: int):
+        self.manager = manager
+        self.gid = gid
+        self.name = name
+        self.ring_generation = ring_generation
+        self.step = step
+        self.scopes: list[Scope] = []       # open scopes, innermost last
+        self.all_scopes: list[Scope] = []
+        self.entries: list[Entry] | None = []
+        self.dedup: dict | None = {}
+        self.tracked = False                # has entries: appears in the schedule
+        self.remaining = 0                  # entries not unpacked yet
+        self.has_stash = False
+        self.stash_event = None
+        self.stash_captured = False
+        self.pending = False                # stash issued, originals not dropped yet
+        self.reload_issued = False
+        self.reload_event = None
+        self.reload_captured = False
+        self.reload_waited: set[int] = set()
+        self.backward_started = False
+        self.f_index: int | None = None
+        self.b_index: int | None = None
+        self.demand: dict = {}              # key -> (pages, record entries) in warmup steps
+
+    @property
+    def label(self) -> str:
+        return repr(self.name) if self.name is not None else f"#{self.gid}"
+
+    def retire(self) -> None:
+        """Drop the originals of stashed entries and the count snapshots (stash completed)."""
+        self.pending = False
+        if self.entries is not None:
+            for e in self.entries:
+                if e.stashed:
+                    e.tensor = None
+        for scope in self.all_scopes:
+            scope.snapshot = None

@@ -1,0 +1,48 @@
+"""``StashConfig``: page size, tier sizing factors and the saved-tensor filter of a manager."""
+from __future__ import annotations
+
+import dataclasses
+
+from .._backend import BACKENDS
+from .._checks import require_positive_int
+
+
+@dataclasses.dataclass
+class StashConfig:
+    """How a :class:`~graphstash.StashManager` sizes its buffers and picks what it stashes.
+
+    Attributes:
+        page_size: rows per page of every buffer.
+        device_factor: device tier = ``device_factor x`` peak demand (pages in use), measured
+            in warmup steps (see NOTE [warmup sizing] in ``graphstash/stash/manager.py``).
+        host_factor: pinned-host tier = ``host_factor x`` peak demand (0: no host tier).
+        host_tier: allow a pinned-host tier at all (``False`` ignores ``host_factor``).
+        min_tensor_bytes: saved tensors smaller than this are left to autograd.
+        initial_tokens: device rows of a buffer created before any demand was measured; 0
+            keeps saved tensors un-stashed until the demand of a warmup step sized it.
+        backend: ``"auto"``, ``"cupy"`` or ``"reference"`` (see :class:`PagedStashBuffer`).
+    """
+
+    page_size: int = 64
+    device_factor: float = 1.10
+    host_factor: float = 0.0
+    host_tier: bool = True
+    min_tensor_bytes: int = 1 << 16
+    initial_tokens: int = 0
+    backend: str = "auto"
+
+    def validate(self) -> None:
+        """Raise TypeError/ValueError naming the first field that is out of range."""
+        require_positive_int("page_size", self.page_size)
+        for name in ("device_factor", "host_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+            if not value >= 0.0 or value == float("inf"):
+                raise ValueError(f"{name}: expected a finite float >= 0, got {value}")
+        if not isinstance(self.host_tier, bool):
+            raise TypeError(f"host_tier: expected a bool, got {type(self.host_tier).__name__}")
+        require_positive_int("min_tensor_bytes", self.min_tensor_bytes, allow_zero=True)
+        require_positive_int("initial_tokens", self.initial_tokens, allow_zero=True)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")

@@ -1,0 +1,154 @@
+"""``stash_activations``: the context that routes autograd's saved tensors through a manager."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .. import _kernels
+from .._checks import COUNT_DTYPES, describe
+from .._mode import is_dropless
+from ._group import Scope
+from .manager import StashManager, _current_default
+
+_active = threading.local()   # stack of (manager, group) of the open contexts of this thread
+
+
+def _active_stack() -> list:
+    stack = getattr(_active, "stack", None)
+    if stack is None:
+        stack = _active.stack = []
+    return stack
+
+
+def current_manager() -> StashManager | None:
+    """The manager ``stash_activations`` uses when none is passed: the innermost
+    ``with manager:``, else the manager of the enclosing ``stash_activations``, else None."""
+    manager = _current_default()
+    if manager is None:
+        stack = _active_stack()
+        if stack:
+            manager = stack[-1][0]
+    return manager
+
+
+def _unpack(packed):
+    if isinstance(packed, torch.Tensor):
+        return packed
+    return packed.group.manager._unpack(packed)
+
+
+class stash_activations:
+    """Stash the budget-shaped tensors autograd saves inside this context (one layer group).
+
+    Tensors saved for backward inside the context whose leading dimension is the budget
+    (``[budget, ...]`` rows, or ``[S, cap, ...]`` segments when ``num_tokens`` has shape
+    ``(S,)``) are copied, live rows only, into the manager's paged buffers on its pack stream
+    when the context exits, and reloaded on its unpack stream before their backward.
+    Parameters, leaf tensors that require grad, tensors smaller than
+    ``StashConfig.min_tensor_bytes``, non-contiguous ones, ones on another device and ones
+    marked with :func:`mark_not_stashable` are left to autograd. In dropless mode
+    (:func:`graphstash.dropless`) the context does nothing at all.
+
+    Args:
+        num_tokens: int32/int64 ``(1,)`` (rows) or ``(S,)`` (rows per segment) tensor on the
+            manager's device: the live rows. Read on the device only (no sync), except in a
+            warmup step before the buffers are sized (NOTE [warmup sizing]).
+        manager: the :class:`StashManager` (default: :func:`current_manager`).
+        name: label of the group in the recorded schedule and in error messages.
+        max_tokens: the budget (rows, or rows per segment); default: inferred (NOTE [budget]
+            in ``graphstash/stash/manager.py``).
+
+    Contexts of the same manager may nest: the inner one's tensors belong to the outer group
+    but go with the inner ``num_tokens``. Nesting contexts of different managers is an error.
+
+    Example::
+
+        manager = graphstash.StashManager()
+        counts = torch.empty(1, dtype=torch.int32, device="cuda")     # written by dispatch
+        with graphstash.stash_activations(counts, manager=manager, name="layer3.experts"):
+            y = expert_mlp(dispatched)        # dispatched: [budget, hidden]
+    """
+
+    def __init__(self, num_tokens, *, manager: StashManager | None = None,
+                 name: str | None = None, max_tokens: int | None = None):
+        self._num_tokens = num_tokens
+        self._manager = manager
+        self._name = name
+        self._max_tokens = max_tokens
+        self._entered = False
+        self._noop = False
+        self._outer = False
+        self._hooks = None
+        self._group = None
+        self._scope = None
+
+    def __enter__(self) -> "stash_activations":
+        if self._entered:
+            raise RuntimeError("stash_activations: a context object can be entered only once")
+        self._entered = True
+        if is_dropless():
+            self._noop = True
+            return self
+        manager = self._manager if self._manager is not None else current_manager()
+        if manager is None:
+            raise ValueError("manager: no StashManager was passed and none is current; pass "
+                             "manager=... or enter `with manager:` first")
+        if not isinstance(manager, StashManager):
+            raise TypeError(f"manager: expected a graphstash.StashManager, got "
+                            f"{type(manager).__name__}")
+        self._check_args(manager)
+        stack = _active_stack()
+        if stack and stack[-1][0] is not manager:
+            outer = stack[-1][1]
+            raise ValueError(
+                f"manager: this stash_activations context is nested inside one of another "
+                f"StashManager (group {outer.label}); nested contexts must share a manager")
+        scope = Scope(self._num_tokens, self._max_tokens)
+        if stack:
+            group = stack[-1][1]
+        else:
+            group = manager._open_group(self._name)
+            self._outer = True
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(
+                lambda t, _g=group, _m=manager: _m._pack(_g, t), _unpack)
+            self._hooks.__enter__()
+        group.scopes.append(scope)
+        group.all_scopes.append(scope)
+        stack.append((manager, group))
+        self._group, self._scope, self._manager = group, scope, manager
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._noop:
+            return False
+        stack = _active_stack()
+        if stack and stack[-1][1] is self._group:
+            stack.pop()
+        self._group.scopes.pop()
+        if self._outer:
+            self._hooks.__exit__(exc_type, exc, tb)
+            self._manager._close_group(self._group, ok=exc_type is None)
+        return False
+
+    def _check_args(self, manager: StashManager) -> None:
+        n = self._num_tokens
+        where = "CUDA" if manager.device.type == "cuda" else str(manager.device)
+        expected = f"an int32 or int64 {where} tensor of shape (1,) or (S,)"
+        if not isinstance(n, torch.Tensor):
+            raise TypeError(f"num_tokens: expected {expected}, got {type(n).__name__}")
+        if n.dtype not in COUNT_DTYPES or n.device != manager.device:
+            raise TypeError(f"num_tokens: expected {expected}, got {n.dtype} on {n.device}"
+                            + (f" (the manager's device is {manager.device})"
+                               if n.device.type == manager.device.type else ""))
+        if n.dim() != 1 or n.shape[0] < 1 or n.shape[0] > _kernels.MAX_SEGMENTS:
+            raise ValueError(f"num_tokens: expected {expected} with 1 <= S <= "
+                             f"{_kernels.MAX_SEGMENTS}, got {describe(n)}")
+        if not n.is_contiguous():
+            raise ValueError(f"num_tokens: expected a contiguous tensor, got strides {n.stride()}")
+        if self._name is not None and not isinstance(self._name, str):
+            raise TypeError(f"name: expected a str or None, got {type(self._name).__name__}")
+        m = self._max_tokens
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise (TypeError if not isinstance(m, int) or isinstance(m, bool) else ValueError)(
+                f"max_tokens: expected an int > 0 or None, got {m!r}")

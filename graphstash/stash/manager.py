@@ -1,0 +1,667 @@
+"""``StashManager``: the buffers, the pack/unpack streams and the schedule of layer groups.
+
+NOTE [pre-schedule]: the stash of a group is issued on the pack stream when its context exits
+(post-schedule) and runs beside whatever the compute stream does next. The compute stream
+waits for it, and the group's oversized originals are dropped, at the next *schedule point*:
+the entry of the next group's context (before that group's expert compute allocates its own
+oversized buffers), the start of a group's backward, a reload, or a step boundary. So at most
+about two groups of oversized buffers are alive at once in forward. The originals were
+allocated on the compute stream and only read on the pack stream; the compute stream waits
+for the stash's event before the references go, so the caching allocator can hand their
+memory to the next group at once, without ``record_stream``.
+
+NOTE [prefetch]: a group's reload is issued on the unpack stream into tensors allocated on
+the compute stream (after the unpack stream waited for the compute stream, so the memory is
+free there), and the compute stream waits for it only when the first of the group's saved
+tensors is unpacked. It is issued ahead when the recorded schedule (NOTE [schedule
+recording] in ``_schedule.py``) says the group's backward comes next: after a forward group
+whose next event is that backward (1F1B: the newest microbatch's forward, then the oldest's
+backward), or once every saved tensor of the backward group before it was unpacked. Without
+a recording (the first step) or once a step departs from it, reloads happen on demand.
+
+NOTE [last group kept]: when the recorded schedule says a group's backward directly follows
+its own forward (the last layer before the loss), stashing it would copy rows out and back
+with nothing in between; the group keeps its tensors instead and takes no pages.
+
+NOTE [warmup sizing]: buffers are created per (dtype, row width) when first needed. With
+``StashConfig.initial_tokens == 0`` a group whose buffer does not exist yet keeps its saved
+tensors (so the warmup step is correct and as memory-hungry as without stashing), reads its
+counts back to the host (a sync, fine in an eager step; under capture this raises
+``CaptureError``) and notes the pages it would have taken. At the end of the step the events
+are replayed (NOTE [warmup demand]) into high-water marks, and the next ``begin_step()``
+outside a capture creates the missing buffers at ``factor x peak``. Once buffers exist the
+kernels keep measuring demand on the device (pages wanted, stored or not), and
+``size_from_demand()`` re-sizes every buffer from the highest mark seen so far.
+
+NOTE [padding rows]: a reload writes the live rows and zeros the rows past the count
+(``zero_tail``): the reloaded tensor differs from the original only in rows whose content no
+correct backward may depend on (the forward masked them out), and zeros keep garbage (NaN,
+Inf) out of reductions such as weight gradients, ``0 * x`` being exactly 0 for finite ``x``.
+A stash that overflowed stores nothing and its reload writes nothing: the step is untrusted
+(the status says so), the free lists stay consistent, and no other tensor is written.
+
+NOTE [capture]: stash, reload, reset and the stream forks and joins are all captured; the
+side streams are forked from the compute stream (``wait_stream``) before every use and joined
+back at schedule points and in ``end_step()``, which must run before a capture ends. Events
+recorded on one side of a capture boundary are never waited on on the other
+(``torch.cuda.graph`` synchronizes on entry). Creating or re-sizing a buffer, and reading
+counts back, raise ``CaptureError`` while capturing.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+
+import torch
+
+from .. import _layout as L
+from .._checks import describe, forbid_capture, is_capturing
+from ..errors import CaptureError, ReleasedError, StaleHandleError
+from ..paging import PagedStashBuffer, _check_status, _normalize_device, new_status
+from ._group import Entry, Group
+from ._marks import is_marked as _is_marked
+from ._schedule import Schedule, replay_demand
+from .config import StashConfig
+
+_defaults = threading.local()
+
+
+def _default_stack() -> list:
+    stack = getattr(_defaults, "stack", None)
+    if stack is None:
+        stack = _defaults.stack = []
+    return stack
+
+
+def _key_name(key) -> str:
+    dtype, width = key
+    return f"{str(dtype).replace('torch.', '')}[{width}]"
+
+
+class StashManager:
+    """Owns the paged stash buffers (one per dtype and row width), a pack stream, an unpack
+    stream and the status tensor shared by all its buffers; drives ``stash_activations``.
+
+    Args:
+        config: a :class:`StashConfig` (default: ``StashConfig()``).
+        device: where the stashed tensors live (default: the current CUDA device, or the CPU
+            when torch sees no GPU; the CPU runs the reference backend without streams).
+        status: optional int32 ``[8]`` status tensor on ``device`` to share (the graph
+            manager passes one so MoE over-budget and stash flags live in one tensor).
+
+    Example::
+
+        manager = graphstash.StashManager(graphstash.StashConfig(page_size=64))
+        for batch in loader:
+            manager.begin_step()
+            with manager:
+                loss = model(batch)      # expert blocks run inside stash_activations(count)
+                loss.backward()
+            manager.end_step()
+            if manager.read_status()["overflow"]:
+                ...                      # the step is untrusted: rerun it dropless
+    """
+
+    def __init__(self, config: StashConfig | None = None, *, device=None,
+                 status: torch.Tensor | None = None):
+        if config is None:
+            config = StashConfig()
+        if not isinstance(config, StashConfig):
+            raise TypeError(f"config: expected a graphstash.StashConfig, got {type(config).__name__}")
+        config.validate()
+        if status is not None:
+            if not isinstance(status, torch.Tensor):
+                raise TypeError(f"status: expected an int32 tensor of shape ({L.STATUS_SIZE},), "
+                                f"got {type(status).__name__}")
+            dev = _normalize_device(status.device)
+            if device is not None and _normalize_device(device) != dev:
+                raise ValueError(f"status: expected a tensor on device={device}, got "
+                                 f"{describe(status)}")
+            _check_status("status", status, dev)
+        else:
+            if device is None:
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            dev = _normalize_device(device)
+            status = new_status(dev)
+        self.config = config
+        self.device = dev
+        self.status = status
+        self._cuda = dev.type == "cuda"
+        self._pack_stream = torch.cuda.Stream(dev) if self._cuda else None
+        self._unpack_stream = torch.cuda.Stream(dev) if self._cuda else None
+        self._side_state = {"pack": None, "unpack": None}   # None | captured-flag of last fork
+        self._buffers: dict = {}          # key -> PagedStashBuffer
+        self._sizes: dict = {}            # key -> (device_tokens, host_tokens, record_entries)
+        self._peak_pages: dict = {}       # key -> highest demand in pages seen
+        self._peak_entries: dict = {}     # key -> highest record-table entries in use seen
+        self._live_entries: dict = {}     # key -> record entries of outstanding handles
+        self._released = False
+        self._schedule = Schedule()
+        self._ring_generation = 0
+        self._step = 0
+        self._step_open = False
+        self._had_backward = False
+        self._next_gid = 0
+        self._groups: dict[int, Group] = {}
+        self._pending: list[Group] = []
+        self._timeline: list | None = None   # set to [] to record copy intervals (eager, CUDA)
+        self._trace: list | None = None      # set to [] to log ("stash" | "prefetch" | "reload", gid)
+
+    # ---- public API -----------------------------------------------------------------------
+    @property
+    def buffers(self) -> dict:
+        """``{(dtype, row_width): PagedStashBuffer}`` created so far (a copy)."""
+        return dict(self._buffers)
+
+    @property
+    def pack_stream(self):
+        return self._pack_stream
+
+    @property
+    def unpack_stream(self):
+        return self._unpack_stream
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def schedule(self) -> list | None:
+        """The recorded schedule: ``[("F" | "B", group_ordinal, name), ...]`` or ``None``."""
+        return None if self._schedule.recorded is None else list(self._schedule.recorded)
+
+    def begin_step(self) -> None:
+        """Start a step: reset every buffer's rings and forget the previous step's groups.
+
+        Graph-safe (no allocation, no host read) except that outside a capture it first
+        creates buffers whose demand a warmup step measured (NOTE [warmup sizing]). Does not
+        clear the status (see :meth:`clear_status`). Handles of the previous step go stale.
+        """
+        if self._step_open:
+            self._finish_step()
+        self._start_step(reset_rings=True)
+
+    def clear_status(self) -> None:
+        """Zero the status flags and marks (``status.zero_()`` on the current stream)."""
+        self._join()
+        self.status.zero_()
+
+    def end_step(self) -> None:
+        """Join the pack and unpack streams into the current stream and drop the step's
+        references (call it before a CUDA graph capture ends)."""
+        self._join()
+        if self._step_open:
+            self._finish_step()
+        for g in self._pending:
+            g.retire()
+        self._pending = []
+        self._groups = {}
+        self._step_open = False
+
+    def read_status(self) -> dict:
+        """Flags and per-buffer pages, peaks and demand, read back to the host (syncs).
+
+        Keys: ``overflow`` (bool), ``overflow_reasons``, ``host_spill``, ``over_budget``
+        (bools), ``tokens_peak`` (int), ``buffers`` (``{"bfloat16[4096]": buffer status}``,
+        see :meth:`PagedStashBuffer.read_status`), ``demand`` (``{name: peak pages}``, sized
+        or not), ``unsized`` (names measured but without a buffer), ``released``.
+        """
+        forbid_capture("StashManager.read_status()")
+        self._join()
+        self._collect_peaks()
+        s = self.status.tolist()
+        bits = s[L.SS_OVERFLOW]
+        return {
+            "overflow": bits != 0,
+            "overflow_reasons": [name for bit, name in ((L.OVERFLOW_POOL, "pool"),
+                                                        (L.OVERFLOW_COUNT, "count")) if bits & bit],
+            "host_spill": bool(s[L.SS_HOST_SPILL]),
+            "over_budget": bool(s[L.SS_OVER_BUDGET]),
+            "tokens_peak": s[L.SS_TOKENS_PEAK],
+            "buffers": {} if self._released else
+            {_key_name(k): b.read_status() for k, b in self._buffers.items()},
+            "demand": {_key_name(k): v for k, v in self._peak_pages.items()},
+            "unsized": [_key_name(k) for k in self._peak_pages if k not in self._sizes],
+            "released": self._released,
+        }
+
+    def size_from_demand(self) -> bool:
+        """(Re)allocate every buffer to ``device_factor x`` its peak demand (device tier) and
+        ``host_factor x`` (pinned-host tier); True if any buffer was created or changed.
+
+        Not capturable (allocates, reads the device marks back). Outstanding handles go stale,
+        so call it between steps; a captured graph using the old buffers must be re-captured.
+        """
+        forbid_capture("StashManager.size_from_demand()")
+        self._join()
+        self._collect_peaks()
+        changed = False
+        for key in list(self._peak_pages):
+            size = self._size_for(key)
+            if self._sizes.get(key) == size and (self._released or key in self._buffers):
+                continue
+            self._sizes[key] = size
+            changed = True
+            if not self._released:
+                self._create(key)
+        if changed:
+            self._invalidate_step()
+        return changed
+
+    def release(self) -> None:
+        """Free every buffer (the status tensor stays); :meth:`reallocate` brings them back."""
+        forbid_capture("StashManager.release()")
+        self._join()
+        self._collect_peaks()
+        self._invalidate_step()
+        for buf in self._buffers.values():
+            buf.release()
+        self._buffers = {}
+        self._released = True
+
+    def reallocate(self) -> None:
+        """Re-create the buffers at their last sizes (after :meth:`release`)."""
+        forbid_capture("StashManager.reallocate()")
+        self._join()
+        self._invalidate_step()
+        for buf in self._buffers.values():
+            buf.release()
+        self._buffers = {}
+        self._released = False
+        for key in self._sizes:
+            self._create(key)
+
+    def __enter__(self) -> "StashManager":
+        _default_stack().append(self)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        stack = _default_stack()
+        if stack and stack[-1] is self:
+            stack.pop()
+        return False
+
+    def __repr__(self) -> str:
+        bufs = ", ".join(f"{_key_name(k)}: {v[0]}+{v[1]} rows" for k, v in self._sizes.items())
+        state = "released" if self._released else f"buffers {{{bufs}}}"
+        return f"StashManager(device={self.device}, page_size={self.config.page_size}, {state})"
+
+    # ---- sizing ---------------------------------------------------------------------------
+    def _size_for(self, key) -> tuple[int, int, int]:
+        c = self.config
+        peak = self._peak_pages.get(key, 0)
+        dev_pages = math.ceil(c.device_factor * peak - 1e-9)
+        host_pages = math.ceil(c.host_factor * peak - 1e-9) if c.host_tier else 0
+        if dev_pages + host_pages == 0:
+            dev_pages = 1
+        entries = max(65536, 8 * (dev_pages + host_pages), 2 * self._peak_entries.get(key, 0))
+        return dev_pages * c.page_size, host_pages * c.page_size, entries
+
+    def _create(self, key) -> PagedStashBuffer:
+        if is_capturing():
+            raise CaptureError(
+                f"stash_activations: the stash buffer for {_key_name(key)} rows would be "
+                "created while a CUDA graph is capturing; run an eager warmup step first (its "
+                "demand sizes the buffers) or set StashConfig.initial_tokens")
+        old = self._buffers.pop(key, None)
+        if old is not None:
+            old.release()
+        dtype, width = key
+        dev_tokens, host_tokens, entries = self._sizes[key]
+        buf = PagedStashBuffer(dev_tokens, width, dtype=dtype, device=self.device,
+                               page_size=self.config.page_size, host_tokens=host_tokens,
+                               backend=self.config.backend, status=self.status,
+                               record_entries=entries)
+        self._buffers[key] = buf
+        return buf
+
+    def _collect_peaks(self) -> None:
+        """Fold the buffers' device demand marks into the host-side peaks (syncs)."""
+        for key, buf in self._buffers.items():
+            if not buf.released:
+                peak = int(buf.state[L.ST_DEMAND_PEAK].item())
+                self._peak_pages[key] = max(self._peak_pages.get(key, 0), peak)
+
+    def _note_entries(self, key, delta: int) -> None:
+        live = self._live_entries.get(key, 0) + delta
+        self._live_entries[key] = live
+        if live > self._peak_entries.get(key, 0):
+            self._peak_entries[key] = live
+
+    # ---- streams --------------------------------------------------------------------------
+    def _fork(self, which: str):
+        """The side stream ``which``, ordered after the current stream (a captured fork)."""
+        stream = self._pack_stream if which == "pack" else self._unpack_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._side_state[which] = is_capturing()
+        return stream
+
+    def _join(self) -> None:
+        if not self._cuda:
+            return
+        current = torch.cuda.current_stream(self.device)
+        capturing = is_capturing()
+        for which, stream in (("pack", self._pack_stream), ("unpack", self._unpack_stream)):
+            state = self._side_state[which]
+            if state is not None and state == capturing:
+                current.wait_stream(stream)
+            self._side_state[which] = None
+
+    def _side(self, which: str):
+        if not self._cuda:
+            return contextlib.nullcontext(), None
+        stream = self._fork(which)
+        return torch.cuda.stream(stream), stream
+
+    def _record_event(self, stream):
+        if stream is None:
+            return None, False
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event, is_capturing()
+
+    def _wait(self, event, captured: bool) -> None:
+        if event is not None and captured == is_capturing():
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def _timing_event(self, stream):
+        if self._timeline is None or stream is None or is_capturing():
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    # ---- steps ----------------------------------------------------------------------------
+    def _start_step(self, reset_rings: bool) -> None:
+        if reset_rings:
+            self._join()
+            for g in self._pending:
+                g.retire()
+            if not self._released and not is_capturing():
+                for key in self._peak_pages:
+                    if key not in self._sizes:
+                        self._sizes[key] = self._size_for(key)
+                        self._create(key)
+            for buf in self._buffers.values():
+                buf.reset(clear_status=False)
+            self._live_entries = {}
+            self._ring_generation += 1
+        self._pending = []
+        self._groups = {}
+        self._next_gid = 0
+        self._had_backward = False
+        self._step += 1
+        self._schedule.start_step()
+        self._step_open = True
+
+    def _finish_step(self) -> None:
+        tracked = [g for g in self._groups.values() if g.tracked]
+        complete = all(g.backward_started for g in tracked)
+        self._schedule.finish_step(complete)
+        demand = {g.gid: g.demand for g in tracked if g.demand}
+        if demand:
+            for key, (pages, entries) in replay_demand(self._schedule.events, demand).items():
+                self._peak_pages[key] = max(self._peak_pages.get(key, 0), pages)
+                self._peak_entries[key] = max(self._peak_entries.get(key, 0), entries)
+
+    def _invalidate_step(self) -> None:
+        """Buffers change under the step: its handles are stale, its groups forgotten."""
+        if self._step_open:
+            self._finish_step()
+        for g in self._pending:
+            g.retire()
+        self._pending = []
+        self._groups = {}
+        self._live_entries = {}
+        self._step_open = False
+        self._ring_generation += 1
+
+    def _steps_apart(self) -> bool:
+        """True when every group of the open step has run its backward (NOTE [implicit steps])."""
+        # NOTE [implicit steps]: without begin_step() calls, a forward group that starts after
+        # every earlier group of the step was consumed by backward opens a new step (its
+        # rings are consistent then: every page came back). The schedule recorded per such
+        # step is what gradient accumulation (F B F B ...) repeats.
+        return self._had_backward and all(g.remaining == 0 for g in self._groups.values()
+                                          if g.tracked)
+
+    # ---- forward --------------------------------------------------------------------------
+    def _open_group(self, name: str | None) -> Group:
+        if self._released:
+            raise ReleasedError("stash_activations: the StashManager was released; call "
+                                "reallocate() first")
+        if not self._step_open:
+            self._start_step(reset_rings=True)
+        elif self._steps_apart():
+            self._finish_step()
+            self._start_step(reset_rings=False)
+        self._retire_pending()
+        group = Group(self, self._next_gid, name, self._ring_generation, self._step)
+        self._next_gid += 1
+        self._groups[group.gid] = group
+        return group
+
+    def _pack(self, group: Group, t: torch.Tensor):
+        """saved_tensors_hooks pack: wrap budget-sized candidates in an Entry, pass others."""
+        scope = group.scopes[-1]
+        if (type(t) is not torch.Tensor or t.device != self.device or t.layout != torch.strided
+                or t.dim() < (1 if scope.segments == 1 else 2) or t.numel() == 0
+                or t.numel() * t.element_size() < self.config.min_tensor_bytes
+                or (t.is_leaf and t.requires_grad) or not t.is_contiguous()
+                or (scope.segments > 1 and t.shape[0] != scope.segments) or _is_marked(t)):
+            return t
+        dedup_key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                     t.dtype, id(scope))
+        entry = group.dedup.get(dedup_key)
+        if entry is None:
+            entry = Entry(group, t, scope)
+            group.entries.append(entry)
+            group.dedup[dedup_key] = entry
+        return entry
+
+    def _classify(self, group: Group) -> None:
+        """NOTE [budget]: a saved tensor is stashed when its leading dimension (rows) or, with
+        ``S`` counts, its second dimension (rows per segment, after ``S``) is the budget: the
+        ``max_tokens`` given to the context or, if none, the one that holds the most bytes
+        among the context's candidates (ties: the larger). Row width is everything after."""
+        for scope in group.all_scopes:
+            entries = [e for e in group.entries if e.scope is scope]
+            if not entries:
+                continue
+            S = scope.segments
+            axis = 0 if S == 1 else 1
+            budget = scope.max_tokens
+            if budget is None:
+                weight: dict[int, int] = {}
+                for e in entries:
+                    lead = e.shape[axis]
+                    weight[lead] = weight.get(lead, 0) + e.tensor.numel() * e.tensor.element_size()
+                budget = max(weight, key=lambda k: (weight[k], k))
+            for e in entries:
+                if e.shape[axis] == budget:
+                    width = e.tensor.numel() // (S * budget)
+                    e.layout = (S, budget, width)
+                    e.key = (e.dtype, width)
+                    P = self.config.page_size
+                    e.record_len = L.H_HEADER + S + S * (-(-budget // P))
+
+    def _close_group(self, group: Group, ok: bool) -> None:
+        group.dedup = None
+        entries = group.entries
+        if not entries:
+            return
+        group.tracked = True
+        group.remaining = len(entries)
+        if not ok:
+            return                       # the forward raised: keep everything, stash nothing
+        self._classify(group)
+        index = self._schedule.add(("F", group.gid, group.name))
+        group.f_index = index
+        following = self._schedule.next_after(index)
+        if following == ("B", group.gid, group.name):
+            return                       # NOTE [last group kept]
+        candidates = [e for e in entries if e.layout is not None]
+        if not candidates:
+            return
+        to_stash = []
+        for e in candidates:
+            if e.key not in self._buffers:
+                if self._released:
+                    raise ReleasedError("stash_activations: the StashManager was released; "
+                                        "call reallocate() first")
+                if self.config.initial_tokens > 0 and e.key not in self._sizes:
+                    self._sizes[e.key] = (self.config.initial_tokens, 0,
+                                          max(65536, 8 * -(-self.config.initial_tokens
+                                                           // self.config.page_size)))
+                if e.key in self._sizes:
+                    self._create(e.key)
+            if e.key in self._buffers:
+                to_stash.append(e)
+            else:
+                self._note_demand(group, e)
+        if to_stash:
+            self._stash(group, to_stash)
+        if following is not None and following[0] == "B":
+            self._prefetch(following)
+
+    def _note_demand(self, group: Group, e: Entry) -> None:
+        """Warmup: the pages ``e`` would take (NOTE [warmup sizing]); reads counts (syncs)."""
+        if is_capturing():
+            raise CaptureError(
+                f"stash_activations: no stash buffer holds {_key_name(e.key)} rows yet and a "
+                "CUDA graph is capturing; run an eager warmup step before the capture (its "
+                "demand sizes the buffers at the next begin_step()) or set "
+                "StashConfig.initial_tokens")
+        scope = e.scope
+        if scope.counts_host is None:
+            scope.counts_host = [int(v) for v in scope.num_tokens.tolist()]
+        S, cap, _ = e.layout
+        P = self.config.page_size
+        pages = sum(-(-n // P) for n in scope.counts_host if 0 <= n <= cap)
+        old_pages, old_entries = group.demand.get(e.key, (0, 0))
+        group.demand[e.key] = (old_pages + pages, old_entries + e.record_len)
+
+    def _stash(self, group: Group, entries: list) -> None:
+        for scope in group.all_scopes:
+            if any(e.scope is scope for e in entries):
+                scope.snapshot = scope.num_tokens.clone()   # NOTE [count snapshot]
+        # NOTE [count snapshot]: the counts are copied on the compute stream when the group
+        # ends; the stash reads the copy on the pack stream, so the compute stream may write
+        # the next layer's counts into the same tensor before the stash has run.
+        if self._trace is not None:
+            self._trace.append(("stash", group.gid))
+        ctx, stream = self._side("pack")
+        group.has_stash = True
+        try:
+            with ctx:
+                start = self._timing_event(stream)
+                for e in entries:
+                    buf = self._buffers[e.key]
+                    e.handle = buf.stash(e.stash_view(), e.scope.snapshot)
+                    e.stashed = True
+                    self._note_entries(e.key, e.record_len)
+                end = self._timing_event(stream)
+        finally:
+            group.stash_event, group.stash_captured = self._record_event(stream)
+            group.pending = True
+            self._pending.append(group)
+        if start is not None:
+            self._timeline.append(("stash", group.gid, group.name, start, end))
+
+    def _retire_pending(self) -> None:
+        """Schedule point: wait for issued stashes and drop their originals (NOTE [pre-schedule])."""
+        if not self._pending:
+            return
+        for g in self._pending:
+            self._wait(g.stash_event, g.stash_captured)
+            g.retire()
+        self._pending = []
+
+    # ---- backward -------------------------------------------------------------------------
+    def _prefetch(self, event) -> None:
+        _, gid, name = event
+        group = self._groups.get(gid)
+        if (group is not None and group.name == name and group.has_stash
+                and not group.reload_issued and not group.backward_started
+                and group.ring_generation == self._ring_generation and not self._released):
+            self._reload(group)
+
+    def _check_reloadable(self, group: Group) -> None:
+        if self._released:
+            raise ReleasedError(
+                f"stash_activations: group {group.label} cannot be reloaded, the StashManager "
+                "was released after its forward; run the forward again")
+        if group.ring_generation != self._ring_generation:
+            raise StaleHandleError(
+                f"stash_activations: group {group.label} was stashed before the manager's last "
+                "begin_step(), size_from_demand(), release() or reallocate(); its pages were "
+                "returned then, so its saved tensors are gone: run the forward again")
+
+    def _reload(self, group: Group) -> None:
+        self._check_reloadable(group)
+        self._retire_pending()
+        if self._trace is not None:
+            self._trace.append(("reload" if group.backward_started else "prefetch", group.gid))
+        stashed = [e for e in group.entries if e.stashed]
+        outs = [torch.empty(e.reload_shape(), dtype=e.dtype, device=self.device) for e in stashed]
+        ctx, stream = self._side("unpack")
+        try:
+            with ctx:
+                start = self._timing_event(stream)
+                for e, out in zip(stashed, outs):
+                    self._buffers[e.key].reload(e.handle, out=out, zero_tail=True)
+                    e.out = out.view(e.shape)
+                    e.handle = None
+                    self._note_entries(e.key, -e.record_len)
+                end = self._timing_event(stream)
+        finally:
+            group.reload_event, group.reload_captured = self._record_event(stream)
+            group.reload_issued = True
+        if start is not None:
+            self._timeline.append(("reload", group.gid, group.name, start, end))
+        group.entries = None      # autograd holds the entries (and their reloaded tensors)
+
+    def _unpack(self, entry: Entry) -> torch.Tensor:
+        group = entry.group
+        if entry.stashed and entry.out is None:
+            self._check_reloadable(group)
+        if not group.backward_started:
+            group.backward_started = True
+            if group.step == self._step:
+                self._had_backward = True
+                group.b_index = self._schedule.add(("B", group.gid, group.name))
+            self._retire_pending()
+        if entry.stashed:
+            if not group.reload_issued:
+                self._reload(group)
+            stream = torch.cuda.current_stream(self.device) if self._cuda else None
+            if stream is not None and stream.cuda_stream not in group.reload_waited:
+                self._wait(group.reload_event, group.reload_captured)
+                group.reload_waited.add(stream.cuda_stream)
+            tensor = entry.out
+        else:
+            tensor = entry.tensor
+        if not entry.unpacked:
+            entry.unpacked = True
+            group.remaining -= 1
+            if group.remaining == 0 and group.b_index is not None and group.step == self._step:
+                following = self._schedule.next_after(group.b_index)
+                if following is not None and following[0] == "B":
+                    self._prefetch(following)
+        return tensor
+
+    # ---- introspection for tests and benchmarks -------------------------------------------
+    def _start_timeline(self) -> None:
+        self._timeline = []
+
+    def _copy_intervals(self, base_event) -> list:
+        """``[(kind, gid, name, start_ms, end_ms)]`` relative to ``base_event`` (syncs)."""
+        torch.cuda.synchronize(self.device)
+        return [(kind, gid, name, base_event.elapsed_time(s), base_event.elapsed_time(e))
+                for kind, gid, name, s, e in (self._timeline or [])]
+
+
+def _current_default() -> StashManager | None:
+    stack = _default_stack()
+    return stack[-1] if stack else None

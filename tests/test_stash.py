@@ -1,0 +1,409 @@
+"""stash_activations / StashManager on the CPU with the reference backend (no streams).
+
+Gradients with stashing are compared bitwise with the same computation without it; inputs
+hold values derived from their row index plus fresh noise; counts are drawn per test.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphstash
+from graphstash import CaptureError, ReleasedError, StaleHandleError
+from graphstash.bench.stash import ExpertStack, make_inputs, one_f_one_b, run_schedule
+from graphstash.stash import (StashConfig, StashManager, current_manager, mark_not_stashable,
+                              stash_activations)
+
+B, H, FF, L = 192, 16, 40, 4       # budget rows, hidden, ffn, layers
+
+
+def _model(gen, layers=L, segments=1):
+    return ExpertStack(layers, H, FF, segments=segments, generator=gen)
+
+
+def _counts(gen, microbatches, layers=L, segments=1, low=B // 4, high=B // 2 + 1):
+    return [[torch.randint(low, high, (segments,), generator=gen, dtype=torch.int32)
+             for _ in range(layers)] for _ in range(microbatches)]
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _zero(model):
+    for p in model.parameters():
+        p.grad = None
+
+
+def _run(model, inputs, counts, order, chunks, manager=None):
+    _zero(model)
+    if manager is not None:
+        manager.begin_step()
+    loss = run_schedule(model, inputs, counts, order, chunks, manager)
+    if manager is not None:
+        manager.end_step()
+    return loss, _grads(model)
+
+
+def _assert_same(a, b):
+    loss_a, grads_a = a
+    loss_b, grads_b = b
+    assert torch.equal(loss_a, loss_b), (loss_a, loss_b)
+    for i, (ga, gb) in enumerate(zip(grads_a, grads_b)):
+        assert torch.equal(ga, gb), f"gradient {i} differs by {(ga - gb).abs().max()}"
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+def test_bitwise_gradients_lifo(gen, segments):
+    model = _model(gen, segments=segments)
+    manager = StashManager(StashConfig(min_tensor_bytes=0), device="cpu")
+    order = one_f_one_b(1, 1)
+    for step in range(3):
+        inputs = make_inputs(1, B, H, segments=segments, generator=gen)
+        counts = _counts(gen, 1, segments=segments)
+        ref = _run(model, inputs, counts, order, 1)
+        _assert_same(ref, _run(model, inputs, counts, order, 1, manager))
+    status = manager.read_status()
+    assert not status["overflow"]
+    # it really stashed: both row widths have buffers that held pages (all but the last layer)
+    widths = sorted(k[1] for k in manager.buffers)
+    assert widths == [H, FF]
+    assert all(s["peak_pages"] > 0 and s["pages_in_use"] == 0 for s in status["buffers"].values())
+
+
+def test_bitwise_gradients_interleaved_1f1b_with_prefetch(gen):
+    chunks, micro = 2, 4
+    model = _model(gen)
+    manager = StashManager(StashConfig(min_tensor_bytes=0), device="cpu")
+    order = one_f_one_b(micro, chunks)
+    for step in range(3):
+        inputs = make_inputs(micro, B, H, generator=gen)
+        counts = _counts(gen, micro)
+        ref = _run(model, inputs, counts, order, chunks)
+        manager._trace = []
+        _assert_same(ref, _run(model, inputs, counts, order, chunks, manager))
+        if step == 2:
+            trace = manager._trace
+            stashed = [g for kind, g in trace if kind == "stash"]
+            prefetched = [g for kind, g in trace if kind == "prefetch"]
+            on_demand = [g for kind, g in trace if kind == "reload"]
+            # every layer group of every microbatch (no forward is followed by its own backward)
+            assert len(stashed) == micro * L
+            # every reload but one is issued ahead by the recorded schedule
+            assert sorted(prefetched + on_demand) == sorted(stashed)
+            assert len(on_demand) <= 1, trace
+            # reloads are not LIFO with respect to stashes
+            reloads = [g for kind, g in trace if kind != "stash"]
+            assert reloads != list(reversed(stashed))
+    schedule = manager.schedule
+    assert [e[0] for e in schedule].count("B") == micro * L
+
+
+def test_first_step_measures_demand_then_sizes(gen):
+    model = _model(gen)
+    config = StashConfig(min_tensor_bytes=0, page_size=16, device_factor=1.5)
+    manager = StashManager(config, device="cpu")
+    inputs = make_inputs(1, B, H, generator=gen)
+    counts = _counts(gen, 1)
+    order = one_f_one_b(1, 1)
+    ref = _run(model, inputs, counts, order, 1)
+    _assert_same(ref, _run(model, inputs, counts, order, 1, manager))
+    assert manager.buffers == {}                       # warmup: nothing stashed yet
+    status = manager.read_status()
+    # demand of the layers that will be stashed (all but the last, NOTE [last group kept])
+    n = [int(c) for c in counts[0]]
+    pages = sum(-(-k // 16) for k in n[:-1])
+    assert status["demand"] == {"float32[16]": pages, "float32[40]": 2 * pages}
+    assert sorted(status["unsized"]) == ["float32[16]", "float32[40]"]
+    _assert_same(ref, _run(model, inputs, counts, order, 1, manager))   # sized at begin_step
+    bufs = manager.buffers
+    assert bufs[(torch.float32, 16)].num_device_pages == -(-int(1.5 * pages * 100) // 100)
+    assert bufs[(torch.float32, 40)].num_device_pages == 3 * pages
+    st = manager.read_status()["buffers"]["float32[40]"]
+    assert st["peak_demand_pages"] == 2 * pages and st["pages_in_use"] == 0
+    assert manager.size_from_demand() is False          # nothing grew
+
+
+def test_initial_tokens_stashes_from_the_first_step(gen):
+    model = _model(gen)
+    manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=8 * B), device="cpu")
+    inputs, counts, order = make_inputs(1, B, H, generator=gen), _counts(gen, 1), one_f_one_b(1, 1)
+    ref = _run(model, inputs, counts, order, 1)
+    _assert_same(ref, _run(model, inputs, counts, order, 1, manager))
+    assert {k: b.max_tokens for k, b in manager.buffers.items()} == \
+        {(torch.float32, H): 8 * B, (torch.float32, FF): 8 * B}
+    status = manager.read_status()
+    assert not status["overflow"] and status["buffers"]["float32[16]"]["peak_pages"] > 0
+
+
+def test_reloaded_tensor_holds_live_rows_and_zero_tail(gen):
+    manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=1024), device="cpu")
+    seen = {}
+
+    class Save(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            ctx.save_for_backward(x, y)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            seen["x"], seen["y"] = ctx.saved_tensors
+            return g, None
+
+    rows = torch.arange(B, dtype=torch.float32).unsqueeze(1)
+    x = (rows * 1000 + torch.arange(6)).requires_grad_(False) + torch.rand(B, 6, generator=gen)
+    x = x.clone().requires_grad_(True)
+    base = x * 1                          # non-leaf, [B, 6]: stashed
+    other = torch.randn(B + 1, 3, generator=gen)     # not budget-shaped: kept
+    n = int(torch.randint(1, B, (1,), generator=gen))
+    manager.begin_step()
+    with stash_activations(torch.tensor([n]), manager=manager):
+        out = Save.apply(base, other)
+    with stash_activations(torch.tensor([n]), manager=manager):   # a later group retires it
+        pass
+    out.sum().backward()
+    manager.end_step()
+    assert seen["y"] is other
+    assert torch.equal(seen["x"][:n], base[:n].detach())
+    assert torch.equal(seen["x"][n:], torch.zeros(B - n, 6))
+
+
+def test_filter_leaves_params_small_marked_and_odd_tensors(gen):
+    manager = StashManager(StashConfig(min_tensor_bytes=1024, initial_tokens=1024), device="cpu")
+    saved = {}
+
+    class Save(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *ts):
+            ctx.save_for_backward(*ts)
+            return ts[0].sum()
+
+        @staticmethod
+        def backward(ctx, g):
+            saved["ts"] = ctx.saved_tensors
+            return (None,) * len(saved["ts"])
+
+    param = torch.nn.Parameter(torch.randn(B, 8, generator=gen))
+    small = torch.randn(B, 1, generator=gen) + 1            # 768 bytes < 1024
+    marked = mark_not_stashable(torch.randn(B, 8, generator=gen) + 2)
+    strided = (torch.randn(8, B, generator=gen) + 3).t()      # [B, 8] not contiguous
+    big = torch.randn(B, 8, generator=gen) + 4                 # stashed
+    other = torch.randn(B - 1, 8, generator=gen) + 5           # not the budget
+    ts = (param, small, marked, strided, big, other)
+    n = torch.tensor([B // 3])
+    with stash_activations(n, manager=manager):
+        out = Save.apply(*ts)
+    out.backward()
+    manager.end_step()
+    got = saved["ts"]
+    for i in (0, 1, 2, 3, 5):        # left alone: the same memory comes back
+        assert got[i].data_ptr() == ts[i].data_ptr(), f"tensor {i} should have been left alone"
+    assert got[4].data_ptr() != big.data_ptr() and torch.equal(got[4][: B // 3], big[: B // 3])
+    assert list(manager.buffers) == [(torch.float32, 8)]
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_max_tokens_pins_the_budget(gen, pinned):
+    manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=1024), device="cpu")
+    big = torch.randn(3 * B, 4, generator=gen, requires_grad=True) * 1    # most bytes
+    small = torch.randn(B, 4, generator=gen, requires_grad=True) * 1
+    n = torch.tensor([B // 2 + 7])
+    with stash_activations(n, manager=manager, max_tokens=B if pinned else None):
+        out = (big[:B] * small).sum() + big.square().sum()    # saves big[:B], small, big
+    with stash_activations(n, manager=manager):
+        pass
+    pages = -(-(B // 2 + 7) // 64)
+    status = manager.read_status()["buffers"]["float32[4]"]
+    # pinned: big[:B] and small ([B, 4]) are stashed; inferred: big ([3B, 4]) alone
+    assert status["pages_in_use"] == (2 * pages if pinned else pages)
+    out.backward()
+    manager.end_step()
+    assert manager.read_status()["buffers"]["float32[4]"]["pages_in_use"] == 0
+
+
+def test_nested_same_manager_uses_inner_counts(gen):
+    model_outer = torch.nn.Parameter(torch.randn(H, H, generator=gen) / 4)
+    manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=4096), device="cpu")
+    x = make_inputs(1, B, H, generator=gen)[0]
+    xs = make_inputs(1, 24, H, segments=3, generator=gen)[0]
+    n = torch.tensor([B // 3], dtype=torch.int32)
+    ns = torch.tensor([5, 0, 24], dtype=torch.int64)
+
+    def f(stash):
+        model_outer.grad = None
+        ctx = stash_activations(n, manager=manager) if stash else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with ctx:
+            a = torch.tanh(x @ model_outer)
+            inner = stash_activations(ns, manager=manager) if stash else ctx
+            with inner:
+                b = torch.tanh(xs @ model_outer)
+        mask = (torch.arange(B) < n).float().unsqueeze(1)
+        masks = (torch.arange(24).unsqueeze(0) < ns.unsqueeze(1)).float().unsqueeze(2)
+        loss = (a * mask).sum() + (b * masks).square().sum()
+        loss.backward()
+        return loss, model_outer.grad.clone()
+
+    ref = f(False)
+    manager.begin_step()
+    got = f(True)
+    manager.end_step()
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    assert manager.read_status()["tokens_peak"] == B // 3       # the [S, cap] stash counted 29
+
+
+def test_overflow_mid_step_sets_flags_and_corrupts_nothing(gen):
+    model = _model(gen)
+    config = StashConfig(min_tensor_bytes=0, page_size=16, initial_tokens=48, host_tier=False)
+    manager = StashManager(config, device="cpu")
+    inputs, order = make_inputs(1, B, H, generator=gen), one_f_one_b(1, 1)
+    counts = _counts(gen, 1, low=B // 2, high=B)         # needs far more than 3 pages
+    sentinel = torch.randn(64, 64, generator=gen)
+    keep = sentinel.clone()
+    params = [p.detach().clone() for p in model.parameters()]
+    _zero(model)
+    manager.begin_step()
+    run_schedule(model, inputs, counts, order, 1, manager)    # must not raise
+    manager.end_step()
+    status = manager.read_status()
+    assert status["overflow"] and status["overflow_reasons"] == ["pool"]
+    for s in status["buffers"].values():
+        assert s["pages_in_use"] == 0 and s["demand_pages"] == 0   # rings consistent
+    assert torch.equal(sentinel, keep)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(params, model.parameters()))
+    # grow from the measured demand; the next step is exact again
+    assert manager.size_from_demand() is True
+    manager.clear_status()
+    ref = _run(model, inputs, counts, order, 1)
+    _assert_same(ref, _run(model, inputs, counts, order, 1, manager))
+    assert not manager.read_status()["overflow"]
+
+
+def test_host_tier_spill_is_exact(gen):
+    model = _model(gen)
+    config = StashConfig(min_tensor_bytes=0, device_factor=0.4, host_factor=0.8)
+    manager = StashManager(config, device="cpu")
+    inputs, counts, order = make_inputs(1, B, H, generator=gen), _counts(gen, 1), one_f_one_b(1, 1)
+    ref = _run(model, inputs, counts, order, 1)
+    _run(model, inputs, counts, order, 1, manager)          # warmup: measures demand
+    _assert_same(ref, _run(model, inputs, counts, order, 1, manager))
+    status = manager.read_status()
+    assert status["host_spill"] and not status["overflow"]
+    assert all(b.num_host_pages > 0 for b in manager.buffers.values())
+
+
+def test_dropless_mode_is_a_no_op(gen):
+    manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=1024), device="cpu")
+    x = torch.randn(B, 4, generator=gen, requires_grad=True) * 1
+    with graphstash.dropless():
+        with stash_activations(4.5, manager=manager):       # not even validated
+            y = x.exp()
+    y.sum().backward()
+    assert manager.buffers == {}
+
+
+def test_bad_num_tokens():
+    manager = StashManager(device="cpu")
+    with pytest.raises(TypeError, match=r"num_tokens: expected an int32 or int64 cpu tensor.*"
+                                        r"got torch.float32 on cpu"):
+        with stash_activations(torch.tensor([3.0]), manager=manager):
+            pass
+    with pytest.raises(TypeError, match="num_tokens: .* got int"):
+        with stash_activations(3, manager=manager):
+            pass
+    with pytest.raises(ValueError, match=r"num_tokens: .*shape \(2, 1\)"):
+        with stash_activations(torch.ones(2, 1, dtype=torch.int32), manager=manager):
+            pass
+    with pytest.raises(TypeError, match="max_tokens"):
+        with stash_activations(torch.ones(1, dtype=torch.int32), manager=manager, max_tokens=2.0):
+            pass
+
+
+def test_manager_resolution_and_nesting_errors():
+    a, b = StashManager(device="cpu"), StashManager(device="cpu")
+    n = torch.ones(1, dtype=torch.int32)
+    assert current_manager() is None
+    with pytest.raises(ValueError, match="manager: no StashManager"):
+        with stash_activations(n):
+            pass
+    with a:
+        assert current_manager() is a
+        with stash_activations(n):
+            with pytest.raises(ValueError, match="nested inside one of another StashManager"):
+                with stash_activations(n, manager=b):
+                    pass
+            with stash_activations(n, manager=a):        # same manager nests
+                pass
+    assert current_manager() is None
+    with pytest.raises(TypeError, match="manager: expected a graphstash.StashManager"):
+        with stash_activations(n, manager="cpu"):
+            pass
+
+
+def _one_stashed_group(manager, gen):
+    x = torch.randn(B, 8, generator=gen, requires_grad=True) * 1
+    with stash_activations(torch.tensor([B // 2]), manager=manager):
+        y = x.exp()
+    with stash_activations(torch.tensor([B // 2]), manager=manager):
+        pass
+    return y
+
+
+def test_reload_after_reset_or_release_is_a_clear_error(gen):
+    manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=1024), device="cpu")
+    manager.begin_step()
+    y = _one_stashed_group(manager, gen)
+    manager.begin_step()                                 # the rings were reset under it
+    with pytest.raises(StaleHandleError, match="before the manager's last begin_step"):
+        y.sum().backward()
+    y = _one_stashed_group(manager, gen)
+    manager.release()
+    with pytest.raises(ReleasedError, match="was released"):
+        y.sum().backward()
+    with pytest.raises(ReleasedError, match="reallocate"):
+        _one_stashed_group(manager, gen)
+    manager.reallocate()
+    y = _one_stashed_group(manager, gen)
+    y.sum().backward()                                   # works again
+    buf = manager.buffers[(torch.float32, 8)]
+    assert buf.max_tokens == 1024 and manager.read_status()["buffers"]["float32[8]"]["pages_in_use"] == 0
+
+
+def test_status_is_shared_and_clear_status():
+    status = graphstash.new_status("cpu")
+    manager = StashManager(StashConfig(initial_tokens=64), device="cpu", status=status)
+    assert manager.status is status
+    status[2] = 1                                          # e.g. MoE over budget
+    assert manager.read_status()["over_budget"]
+    manager.clear_status()
+    assert not manager.read_status()["over_budget"]
+    with pytest.raises(ValueError, match="status"):
+        StashManager(device="cpu", status=torch.zeros(8, dtype=torch.int64))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="page_size"):
+        StashManager(StashConfig(page_size=0), device="cpu")
+    with pytest.raises(ValueError, match="device_factor"):
+        StashManager(StashConfig(device_factor=-1.0), device="cpu")
+    with pytest.raises(TypeError, match="host_tier"):
+        StashManager(StashConfig(host_tier=1), device="cpu")
+    with pytest.raises(ValueError, match="backend"):
+        StashManager(StashConfig(backend="triton"), device="cpu")
+    with pytest.raises(TypeError, match="config"):
+        StashManager({"page_size": 64}, device="cpu")
+
+
+def test_capture_error_is_raised_before_anything_breaks(monkeypatch, gen):
+    # Stand-in for a capturing stream: sizing and warmup reads must refuse to run.
+    import graphstash.stash.manager as mgr_mod
+    manager = StashManager(StashConfig(min_tensor_bytes=0), device="cpu")
+    monkeypatch.setattr(mgr_mod, "is_capturing", lambda: True)
+    x = torch.randn(B, 8, generator=gen, requires_grad=True) * 1
+    with pytest.raises(CaptureError, match="warmup step"):
+        with stash_activations(torch.tensor([3]), manager=manager):
+            x.exp()
+    manager2 = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=64), device="cpu")
+    with pytest.raises(CaptureError, match="created while a CUDA graph is capturing"):
+        with stash_activations(torch.tensor([3]), manager=manager2):
+            x.exp()
