@@ -1,0 +1,679 @@
+"""The graph manager: :class:`GraphStep` and the :func:`graph_step` decorator.
+
+One call of a decorated training step runs one of three ways:
+
+1. eagerly (the first ``warmup`` calls, every call on a machine without CUDA, and the rerun of
+   an overflowed step), with the usual ``zero_grad`` / step / ``optimizer.step()`` order;
+2. by capture and replay: the tensors of the call are copied into static buffers and one CUDA
+   graph runs forward, backward and the optimizer update;
+3. by replay then recovery: when the step's device status says *overflow* or *over budget*,
+   the replayed update was skipped on the device (NOTE [update skipping]) and the same inputs
+   run again eagerly in dropless mode, applying the update once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+import traceback
+import warnings
+import weakref
+
+import torch
+
+from .. import _layout as L
+from .._checks import forbid_capture
+from .._mode import dropless
+from ..errors import CaptureError, ReleasedError
+from . import _staging as S
+from ._update import DeviceUpdate, check_optimizer, has_state, hyperparameters
+
+_LIVE_GRAPHS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def live_graphs() -> int:
+    """How many CUDA graphs captured by :class:`GraphStep` objects are still alive."""
+    return len(_LIVE_GRAPHS)
+
+
+@dataclasses.dataclass
+class GraphStepStats:
+    """Counters of a :class:`GraphStep` (a snapshot; read ``train_step.stats`` again to refresh).
+
+    ``steps`` counts calls that completed a training step, ``replays`` graph replays,
+    ``eager_steps`` steps run eagerly on purpose (warmup, no CUDA), ``eager_reruns`` dropless
+    reruns after a flagged step, ``overflows`` / ``over_budget`` / ``host_spills`` steps whose
+    status carried that flag, ``captures`` graphs captured and ``capture_ms`` their total
+    capture time. ``status_wait_us`` is the mean host time per replay between launching the
+    graph and holding its flags (it includes waiting for the GPU to finish the step).
+    ``peak_memory_bytes`` is ``torch.cuda.max_memory_allocated`` of the device,
+    ``stash_pages_peak`` the stash manager's device-page high-water mark (0 without one),
+    ``memory_before_capture`` ``torch.cuda.memory_allocated`` just before the first capture.
+    """
+
+    mode: str = "graph"
+    steps: int = 0
+    replays: int = 0
+    eager_steps: int = 0
+    eager_reruns: int = 0
+    overflows: int = 0
+    over_budget: int = 0
+    host_spills: int = 0
+    captures: int = 0
+    capture_ms: float = 0.0
+    status_wait_us: float = 0.0
+    graphs: int = 0
+    graph_bytes: int = 0
+    peak_memory_bytes: int = 0
+    stash_pages_peak: int = 0
+    memory_before_capture: int | None = None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class _Graph:
+    """One captured graph and what it must keep alive."""
+
+    signature: tuple
+    graph: object
+    inputs: S.StaticInputs
+    outputs: object                 # the pytree the captured call returned (static tensors)
+    grads: list                     # gradient tensors the graph writes (its pool)
+    hyper: tuple                    # optimizer hyperparameters baked in
+    nbytes: int                     # pool growth during capture + static inputs
+
+
+# NOTE [gradients]
+# Right before a capture the gradients are set to None, so the first backward inside the graph
+# *writes* them (in the graph's pool) and later microbatches accumulate: every replay starts
+# from zero gradients exactly as ``optimizer.zero_grad()`` would, with no memset. Eager steps
+# (warmup, reruns) call ``zero_grad(set_to_none=True)`` first, which is what an eager loop does;
+# after a rerun ``p.grad`` holds the rerun's gradients while the graph keeps (and keeps alive)
+# its own. A step function should therefore not call ``optimizer.step()`` itself; calling
+# ``zero_grad()`` is harmless.
+
+# NOTE [status readback]
+# Inside the graph, after backward, the flags (overflow, host spill, over budget) are reduced
+# to indicators and, under torch.distributed, summed over ranks in one all_reduce, so every
+# rank skips, reruns and recaptures together. The reduced int32 [3] vector is copied into a
+# pinned host buffer by the graph itself; after the replay the host waits on one event and
+# reads it. This is one sync per step: the next step must not start before the host knows
+# whether this one is rerun (a rerun applies the update that the next step builds on).
+
+
+def _capture_failure_message(exc: BaseException, name: str) -> str:
+    """Explain a failed capture: the error, the line of user code that raised, what to change."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    first_line = text.splitlines()[0] if text else type(exc).__name__
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = ""
+    for frame in reversed(frames):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" in path or "/graphstash/graph/" in path:
+            continue
+        where = f" at {frame.filename}:{frame.lineno}" + (f" ({frame.line.strip()})" if frame.line else "")
+        break
+    lowered = text.lower()
+    if "capturable" in lowered:
+        hint = ("construct the optimizer with capturable=True (graphstash.graph_step checks "
+                "this before capturing)")
+    elif any(s in lowered for s in ("capturing", "capture", "not permitted", "synchron")):
+        hint = ("the step synchronised with the host, which a CUDA graph cannot contain: remove "
+                ".item(), .tolist(), .cpu(), float(tensor), print(tensor), torch.nonzero, "
+                "boolean-mask indexing and other data-dependent shapes from the step, or move "
+                "them out of the decorated function")
+    else:
+        hint = "the step raised while it was being captured; it must run unchanged on every call"
+    return f"capturing {name} failed{where}: {first_line}. {hint}"
+
+
+class GraphStep:
+    """A training step captured whole into a CUDA graph and replayed; see :func:`graph_step`."""
+
+    def __init__(self, fn, *, optimizer=None, scaler=None, warmup: int = 2, stash=None,
+                 outputs: str = "clone", on_new_shape: str = "error", max_graphs: int = 4,
+                 graph_memory_budget: int | None = None, budget_growth: float = 1.5,
+                 on_overflow=None, generators=(), process_group=None, distributed="auto",
+                 update_skip: str = "auto", device=None):
+        if not callable(fn):
+            raise TypeError(f"fn: expected a callable training step, got {type(fn).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got "
+                            f"{type(optimizer).__name__}")
+        if scaler is not None and optimizer is None:
+            raise ValueError("scaler: a GradScaler needs the optimizer it scales; pass optimizer=")
+        if scaler is not None and not hasattr(scaler, "unscale_"):
+            raise TypeError(f"scaler: expected a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup: expected an int >= 0, got {warmup!r}")
+        if outputs not in ("clone", "static"):
+            raise ValueError(f"outputs: expected 'clone' (detached copies) or 'static' (the "
+                             f"graph's own tensors, overwritten by the next call), got {outputs!r}")
+        if on_new_shape not in ("error", "recapture"):
+            raise ValueError(f"on_new_shape: expected 'error' or 'recapture', got {on_new_shape!r}")
+        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ValueError(f"max_graphs: expected an int >= 1, got {max_graphs!r}")
+        if graph_memory_budget is not None and (not isinstance(graph_memory_budget, int)
+                                                or graph_memory_budget <= 0):
+            raise ValueError(f"graph_memory_budget: expected a positive int (bytes) or None, "
+                             f"got {graph_memory_budget!r}")
+        if not isinstance(budget_growth, (int, float)) or budget_growth <= 1.0:
+            raise ValueError(f"budget_growth: expected a number > 1, got {budget_growth!r}")
+        if on_overflow is not None and not callable(on_overflow):
+            raise TypeError(f"on_overflow: expected a callable or None, got {type(on_overflow).__name__}")
+        if distributed not in ("auto", True, False):
+            raise ValueError(f"distributed: expected 'auto', True or False, got {distributed!r}")
+        if update_skip not in ("auto", "found_inf", "mask"):
+            raise ValueError(f"update_skip: expected 'auto', 'found_inf' or 'mask', got {update_skip!r}")
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._name = getattr(fn, "__qualname__", getattr(fn, "__name__", "step"))
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.warmup = warmup
+        self._stash_arg = stash
+        self._outputs_mode = outputs
+        self._on_new_shape = on_new_shape
+        self._max_graphs = max_graphs
+        self._graph_memory_budget = graph_memory_budget
+        self._budget_growth = float(budget_growth)
+        self._on_overflow = on_overflow
+        self._generators = tuple(generators)
+        self._process_group = process_group
+        self._distributed_arg = distributed
+        self._update_skip = update_skip
+        self._device_arg = device
+
+        self._device: torch.device | None = None
+        self._status: torch.Tensor | None = None
+        self._manager = None
+        self._update: DeviceUpdate | None = None
+        self._graphs: dict[tuple, _Graph] = {}   # insertion order = least recently used first
+        self._first_signature = None
+        self._eager_done = 0
+        self._released = False
+        self._ready = False
+        self._warned_eager = False
+        self._flags_host: torch.Tensor | None = None
+        self._flags_view = None
+        self._done_event = None
+        self._capture_stream = None
+        self._stats = GraphStepStats()
+        self._status_wait_s = 0.0
+
+    # ---- set-up -------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where the step runs: ``device=``, else the optimizer's parameters, else CUDA/CPU."""
+        if self._device is None:
+            self._device = self._resolve_device()
+        return self._device
+
+    def _resolve_device(self) -> torch.device:
+        if self._device_arg is not None:
+            dev = torch.device(self._device_arg)
+        elif self.optimizer is not None and self.optimizer.param_groups[0]["params"]:
+            dev = self.optimizer.param_groups[0]["params"][0].device
+        elif torch.cuda.is_available():
+            dev = torch.device("cuda")
+        else:
+            dev = torch.device("cpu")
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device: {dev} requested but torch sees no CUDA device")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
+
+    @property
+    def graphed(self) -> bool:
+        """True when calls are captured and replayed (False: eager fallback without CUDA)."""
+        return self.device.type == "cuda"
+
+    @property
+    def status(self) -> torch.Tensor:
+        """int32 ``[8]`` status on :attr:`device`, shared by the stash manager; give it to MoE
+        dispatch (``status=train_step.status``) so its over-budget flag reaches the step."""
+        if self._status is None:
+            manager = self._stash_manager_if_given()
+            if manager is not None:
+                self._status = manager.status
+            else:
+                self._status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=self.device)
+        return self._status
+
+    def _stash_manager_if_given(self):
+        arg = self._stash_arg
+        if arg is None or isinstance(arg, bool) or not hasattr(arg, "begin_step"):
+            return None
+        self._manager = arg
+        return arg
+
+    @property
+    def stash_manager(self):
+        """The :class:`graphstash.stash.StashManager` of the step (None without ``stash=``)."""
+        self._setup()
+        return self._manager
+
+    def _setup(self) -> None:
+        if self._ready:
+            return
+        dev = self.device
+        status = self.status
+        if self._manager is None and self._stash_arg not in (None, False):
+            from ..stash import StashConfig, StashManager   # lazily: graph does not need stash
+
+            config = StashConfig() if self._stash_arg is True else self._stash_arg
+            if not isinstance(config, StashConfig):
+                raise TypeError(f"stash: expected a graphstash.StashConfig, a StashManager, True or "
+                                f"None, got {type(config).__name__}")
+            self._manager = StashManager(config, device=dev, status=status)
+        if self.optimizer is not None:
+            self._update = DeviceUpdate(self.optimizer, scaler=self.scaler, mode=self._update_skip,
+                                        device=dev)
+        self._stats.mode = "graph" if self.graphed else "eager"
+        if dev.type == "cuda" and self.optimizer is not None:
+            check_optimizer(self.optimizer)       # before any step runs, not at capture time
+        if dev.type == "cuda":
+            self._flags_host = torch.zeros(3, dtype=torch.int32, pin_memory=True)
+            self._flags_view = self._flags_host.numpy()
+            self._done_event = torch.cuda.Event()
+            self._capture_stream = torch.cuda.Stream(device=dev)
+        else:
+            self._flags_host = torch.zeros(3, dtype=torch.int32)
+            self._flags_view = self._flags_host.numpy()
+            if not self._warned_eager:
+                self._warned_eager = True
+                why = ("CUDA is not available" if not torch.cuda.is_available()
+                       else f"the step runs on {dev}")
+                warnings.warn(f"graphstash.graph_step({self._name}): {why}, so the step runs "
+                              "eagerly without a CUDA graph; stats still count its steps",
+                              RuntimeWarning, stacklevel=4)
+        self._ready = True
+
+    def _distributed(self) -> bool:
+        if self._distributed_arg is False:
+            return False
+        import torch.distributed as dist
+
+        on = dist.is_available() and dist.is_initialized()
+        if self._distributed_arg is True and not on:
+            raise ValueError("distributed: True, but torch.distributed is not initialised")
+        return on
+
+    # ---- public -------------------------------------------------------------------------
+    @property
+    def stats(self) -> GraphStepStats:
+        """A snapshot of the counters (see :class:`GraphStepStats`). Syncs for the stash peak."""
+        st = dataclasses.replace(self._stats)
+        st.graphs = len(self._graphs)
+        st.graph_bytes = sum(g.nbytes for g in self._graphs.values())
+        st.status_wait_us = (1e6 * self._status_wait_s / st.replays) if st.replays else 0.0
+        if self._device is not None and self._device.type == "cuda":
+            st.peak_memory_bytes = torch.cuda.max_memory_allocated(self._device)
+        if self._manager is not None and not self._released:
+            try:
+                buffers = self._manager.read_status().get("buffers", {})
+                st.stash_pages_peak = sum(int(b.get("peak_pages", 0)) for b in buffers.values())
+            except Exception:     # the manager may be released or not yet allocated
+                st.stash_pages_peak = self._stats.stash_pages_peak
+        return st
+
+    def release(self) -> None:
+        """Drop the graphs, their memory pools, static buffers, gradients and stash buffers.
+
+        The status tensor (32 bytes) stays, so references to it remain valid. Call
+        :meth:`reset` before the next call.
+
+        Example::
+
+            train_step.release()      # memory_allocated back to its pre-capture value
+            train_step.reset()
+            train_step(x, y)          # captures again
+        """
+        forbid_capture("GraphStep.release()")
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        self._drop_graphs()
+        self._first_signature = None
+        if self._update is not None:
+            self._update.release()
+        if self._manager is not None:
+            self._manager.release()
+        self._released = True
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def reset(self) -> None:
+        """Reallocate what :meth:`release` dropped (stash buffers); the next call captures again."""
+        forbid_capture("GraphStep.reset()")
+        if not self._released:
+            if self._device is not None and self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
+            self._drop_graphs()
+            self._first_signature = None
+        if self._manager is not None and self._released:
+            self._manager.reallocate()
+        self._released = False
+
+    def __call__(self, *args, **kwargs):
+        if self._released:
+            raise ReleasedError(f"{self._name}: the step was released; call .reset() first")
+        forbid_capture(f"{self._name}()")
+        self._setup()
+        if not self.graphed or self._eager_done < self.warmup:
+            out = self._eager_step(args, kwargs, side_stream=self.graphed)
+            self._eager_done += 1
+            self._stats.eager_steps += 1
+            self._stats.steps += 1
+            return out
+        leaves, spec = S.flatten_call(args, kwargs)
+        sig = S.signature(leaves, spec)
+        entry = self._graphs.get(sig)
+        if entry is not None and self.optimizer is not None and \
+                entry.hyper != hyperparameters(self.optimizer):
+            self._drop_graphs()          # a scheduler changed a float lr: every graph baked it
+            entry = None
+        if entry is None:
+            if (self._first_signature is not None and sig != self._first_signature
+                    and self._on_new_shape == "error"):
+                raise ValueError(
+                    f"{self._name}: " + S.describe_mismatch(self._first_signature, sig, args, kwargs)
+                    + ". Pass inputs of the captured shapes, or decorate with "
+                    "graph_step(..., on_new_shape='recapture') to keep a graph per shape")
+            entry = self._capture(sig, leaves, spec)
+        else:
+            self._graphs[sig] = self._graphs.pop(sig)     # most recently used last
+        return self._replay(entry, leaves, args, kwargs)
+
+    # ---- eager --------------------------------------------------------------------------
+    def _clear_flags(self) -> None:
+        with torch.no_grad():
+            self.status[L.SS_OVERFLOW: L.SS_OVER_BUDGET + 1].zero_()
+
+    def _reduced_flags(self) -> torch.Tensor:
+        """int32 [3]: indicators of overflow, host spill, over budget (summed over ranks)."""
+        flags = (self.status[L.SS_OVERFLOW: L.SS_OVER_BUDGET + 1] != 0).to(torch.int32)
+        if self._distributed():
+            import torch.distributed as dist
+
+            dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self._process_group)
+        return flags
+
+    def _run_fn(self, args, kwargs, *, is_dropless: bool):
+        manager = self._manager
+        with dropless(is_dropless):
+            if manager is None:
+                return self._fn(*args, **kwargs)
+            with manager:
+                manager.begin_step()
+                out = self._fn(*args, **kwargs)
+                manager.end_step()
+            return out
+
+    def _rng_offsets(self) -> list:
+        if self.device.type != "cuda":
+            return [(torch.default_generator, torch.default_generator.get_state())]
+        gens = [torch.cuda.default_generators[self.device.index], *self._generators]
+        return [(g, g.get_offset()) for g in gens]
+
+    @staticmethod
+    def _restore_rng(saved: list) -> None:
+        for gen, value in saved:
+            if isinstance(value, torch.Tensor):
+                gen.set_state(value)
+            else:
+                gen.set_offset(value)
+
+    def _eager_step(self, args, kwargs, *, side_stream: bool = False):
+        """One guarded eager step: run, read the flags, rerun dropless if flagged, update once."""
+        if side_stream:
+            stream, current = self._capture_stream, torch.cuda.current_stream(self.device)
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                out = self._eager_step(args, kwargs)
+            current.wait_stream(stream)
+            return out
+        saved_rng = self._rng_offsets()
+        self._zero_grad()
+        self._clear_flags()
+        out = self._run_fn(args, kwargs, is_dropless=False)
+        overflow, spill, over_budget = (int(v) for v in self._reduced_flags().tolist())
+        self._count_flags(overflow, spill, over_budget)
+        if overflow or over_budget:
+            self._restore_rng(saved_rng)
+            out = self._rerun(args, kwargs, (overflow, spill, over_budget), regraph=False)
+            return S.detach_tree(out)
+        if self._update is not None:
+            self._update.eager_step()
+        return S.detach_tree(out)
+
+    def _zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _count_flags(self, overflow: int, spill: int, over_budget: int) -> None:
+        self._stats.overflows += bool(overflow)
+        self._stats.host_spills += bool(spill)
+        self._stats.over_budget += bool(over_budget)
+
+    def _rerun(self, args, kwargs, flags: tuple, *, regraph: bool):
+        """Rerun a flagged step eagerly in dropless mode, apply its update, grow the budget."""
+        self._stats.eager_reruns += 1
+        self._zero_grad()
+        self._clear_flags()
+        out = self._run_fn(args, kwargs, is_dropless=True)
+        self._clear_flags()
+        if self._update is not None:
+            self._update.eager_step()
+        grown = False
+        config = getattr(self._manager, "config", None)
+        if config is not None:
+            config.device_factor = config.device_factor * self._budget_growth
+            self._manager.size_from_demand()
+            grown = True
+        if self._on_overflow is not None:
+            self._on_overflow({"overflow": bool(flags[0]), "host_spill": bool(flags[1]),
+                               "over_budget": bool(flags[2])})
+            grown = True
+        if grown and regraph:
+            self._drop_graphs()             # the next call recaptures with the grown budget
+        return out
+
+    # ---- capture ------------------------------------------------------------------------
+    def _check_capturable(self) -> None:
+        if self.optimizer is None:
+            return
+        check_optimizer(self.optimizer)
+        if not has_state(self.optimizer) and self._eager_done == 0:
+            raise ValueError(
+                f"warmup: the optimizer has no state yet (it is created by its first step) and "
+                f"cannot be created inside a CUDA graph; use warmup >= 1 (got {self.warmup})")
+
+    def _captured_body(self, static_args, static_kwargs):
+        self._clear_flags()
+        out = self._run_fn(static_args, static_kwargs, is_dropless=False)
+        flags = self._reduced_flags()
+        self._flags_host.copy_(flags, non_blocking=True)
+        if self._update is not None:
+            flagged = (flags[0] + flags[2]) > 0
+            self._update.step(flagged)
+        return out
+
+    def _capture(self, sig, leaves, spec) -> _Graph:
+        self._check_capturable()
+        dev = self.device
+        if self._manager is not None:
+            self._manager.size_from_demand()
+            from .. import _kernels
+
+            if _kernels.availability()[0]:
+                _kernels.warmup(dev)
+        self._zero_grad()                    # NOTE [gradients]
+        torch.cuda.synchronize(dev)
+        if self._stats.memory_before_capture is None:
+            self._stats.memory_before_capture = torch.cuda.memory_allocated(dev)
+        if self._update is not None:
+            self._update.allocate()
+        reserved0 = torch.cuda.memory_reserved(dev)
+        inputs = S.StaticInputs(leaves, spec)
+        static_args, static_kwargs = inputs.args_kwargs()
+        graph = torch.cuda.CUDAGraph()
+        for gen in self._generators:
+            if not hasattr(graph, "register_generator_state"):
+                raise CaptureError("generators: this torch cannot register extra generators with a "
+                                   "CUDA graph (CUDAGraph.register_generator_state is missing); "
+                                   "draw from the default CUDA generator instead")
+            graph.register_generator_state(gen)
+        stream, current = self._capture_stream, torch.cuda.current_stream(dev)
+        stream.wait_stream(current)
+        t0 = time.perf_counter()
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    out = self._captured_body(static_args, static_kwargs)
+                except BaseException:
+                    try:
+                        graph.capture_end()
+                    except Exception:     # the capture was already invalidated by the error
+                        pass
+                    raise
+                graph.capture_end()
+        except BaseException as exc:
+            del graph, inputs, static_args, static_kwargs
+            self._zero_grad()
+            try:
+                torch.cuda.synchronize(dev)
+            except Exception:
+                pass
+            torch.cuda.empty_cache()
+            message = _capture_failure_message(exc, self._name)
+            traceback.clear_frames(exc.__traceback__)   # drop the activations its frames hold
+            raise CaptureError(message) from exc
+        current.wait_stream(stream)
+        capture_s = time.perf_counter() - t0
+        grads = []
+        if self.optimizer is not None:
+            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]
+                     if p.grad is not None]
+        entry = _Graph(signature=sig, graph=graph, inputs=inputs, outputs=S.detach_tree(out),
+                       grads=grads,
+                       hyper=hyperparameters(self.optimizer) if self.optimizer is not None else (),
+                       nbytes=max(0, torch.cuda.memory_reserved(dev) - reserved0))
+        _LIVE_GRAPHS.add(graph)
+        self._stats.captures += 1
+        self._stats.capture_ms += 1e3 * capture_s
+        if self._first_signature is None:
+            self._first_signature = sig
+        self._graphs[sig] = entry
+        self._evict(keep=sig)
+        return entry
+
+    def _evict(self, keep) -> None:
+        def over() -> bool:
+            if len(self._graphs) > self._max_graphs:
+                return True
+            budget = self._graph_memory_budget
+            return budget is not None and sum(g.nbytes for g in self._graphs.values()) > budget
+
+        while len(self._graphs) > 1 and over():
+            victim = next(k for k in self._graphs if k != keep)
+            del self._graphs[victim]
+
+    def _drop_graphs(self) -> None:
+        self._graphs.clear()
+        self._zero_grad()
+
+    # ---- replay -------------------------------------------------------------------------
+    def _replay(self, entry: _Graph, leaves, args, kwargs):
+        entry.inputs.stage(leaves)
+        saved_rng = self._rng_offsets()
+        entry.graph.replay()
+        t0 = time.perf_counter()
+        self._done_event.record()
+        self._done_event.synchronize()
+        overflow, spill, over_budget = (int(v) for v in self._flags_view)
+        self._status_wait_s += time.perf_counter() - t0
+        self._stats.replays += 1
+        self._stats.steps += 1
+        self._count_flags(overflow, spill, over_budget)
+        if overflow or over_budget:
+            self._restore_rng(saved_rng)
+            out = self._rerun(args, kwargs, (overflow, spill, over_budget), regraph=True)
+            if self._outputs_mode == "static" and S.copy_tree_into(entry.outputs, out):
+                return entry.outputs
+            return S.clone_tree(out) if self._outputs_mode == "clone" else S.detach_tree(out)
+        if self._outputs_mode == "static":
+            return entry.outputs
+        return S.clone_tree(entry.outputs)
+
+
+def graph_step(fn=None, *, optimizer=None, scaler=None, warmup: int = 2, stash=None,
+               outputs: str = "clone", on_new_shape: str = "error", max_graphs: int = 4,
+               graph_memory_budget: int | None = None, budget_growth: float = 1.5,
+               on_overflow=None, generators=(), process_group=None, distributed="auto",
+               update_skip: str = "auto", device=None):
+    """Capture a whole training iteration (forward, backward, optimizer step) in a CUDA graph.
+
+    The decorated function runs forward and backward (``loss.backward()`` or
+    ``scaler.scale(loss).backward()``) and returns any pytree of tensors; the decorator owns
+    ``optimizer.zero_grad()`` and ``optimizer.step()`` (NOTE [gradients]). The first ``warmup``
+    calls run eagerly, the next one captures, later ones copy their tensors into the static
+    buffers and replay. Each replay reads the step's device status once (NOTE [status
+    readback]); when it says overflow or over budget, the update was skipped on the device
+    (NOTE [update skipping]), the same inputs run again eagerly under
+    :func:`graphstash.dropless`, the update is applied once, the stash budget grows by
+    ``budget_growth`` and the next call recaptures. Without CUDA every call runs eagerly (one
+    warning says so) with the same ``stats``.
+
+    Args:
+        fn: the training step. Tensor arguments may be nested in lists, tuples and dicts (for
+            example one entry per microbatch); every tensor is staged, other values are baked
+            into the graph.
+        optimizer: a ``torch.optim`` Adam/AdamW (``capturable=True``; ``fused=True`` is
+            fastest) or SGD; None for a step without an update.
+        scaler: an optional ``torch.amp.GradScaler`` (fp16); the decorator calls its
+            ``step``/``update`` (``unscale_`` inside the step is fine).
+        warmup: eager calls before the first capture (>= 1 when the optimizer has no state).
+        stash: a :class:`graphstash.stash.StashConfig` or ``StashManager``; the step runs with
+            it as the default manager, sized from the warmup's demand.
+        outputs: ``"clone"`` returns detached copies; ``"static"`` returns the graph's own
+            output tensors, overwritten by the next call.
+        on_new_shape: ``"error"`` raises ValueError naming the argument; ``"recapture"`` keeps
+            up to ``max_graphs`` graphs (and ``graph_memory_budget`` bytes), least recently
+            used dropped first.
+        budget_growth: factor applied to the stash ``device_factor`` after an overflow.
+        on_overflow: optional ``callable(flags: dict)`` called after a rerun (for example to
+            grow an MoE dispatch budget); graphs are recaptured afterwards.
+        generators: extra CUDA ``torch.Generator`` objects the step draws from (the default
+            one is always registered with the graph).
+        process_group / distributed: flags are all-reduced over this group when
+            ``torch.distributed`` is initialised (``distributed="auto"``).
+        update_skip: ``"auto"``, ``"found_inf"`` or ``"mask"`` (NOTE [update skipping]).
+        device: where the step runs (default: the optimizer's parameters).
+
+    Example::
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+
+        @graphstash.graph_step(optimizer=opt, warmup=2)
+        def train_step(x, y):           # x: [B, D] float32 CUDA, y: [B] int64 CUDA
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        for x, y in loader:
+            loss = train_step(x, y)     # eager, eager, capture + replay, replay, ...
+        print(train_step.stats.replays, train_step.stats.overflows)
+    """
+    kwargs = dict(optimizer=optimizer, scaler=scaler, warmup=warmup, stash=stash, outputs=outputs,
+                  on_new_shape=on_new_shape, max_graphs=max_graphs,
+                  graph_memory_budget=graph_memory_budget, budget_growth=budget_growth,
+                  on_overflow=on_overflow, generators=generators, process_group=process_group,
+                  distributed=distributed, update_skip=update_skip, device=device)
+    if fn is None:
+        return lambda f: GraphStep(f, **kwargs)
+    return GraphStep(fn, **kwargs)
