@@ -1,0 +1,164 @@
+"""``graphstash bench moe``: the reference MoE model, step time and peak memory per mode.
+
+Modes, each a full training step (forward, backward, AdamW) of :class:`graphstash.moe.MoEModel`:
+
+- ``eager dropless``: eager, buffers sized from the real counts (host reads every layer);
+- ``graph + budget``: static-budget dispatch, the whole step captured in one CUDA graph;
+- ``graph + budget + stash``: the same with ``stash_activations`` (device tier only);
+- ``+ host tier``: a smaller device tier plus a pinned-host tier.
+
+Run on one GPU, or expert-parallel under ``torchrun --nproc-per-node 2 -m graphstash.cli
+bench moe`` (WORLD_SIZE is detected; rank 0 prints). Peak memory is
+``torch.cuda.max_memory_allocated`` over the mode's whole run (build, warmup, capture, steps).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+
+from ..moe import MoEConfig, MoEModel
+
+# Launch-bound: small layers, many of them; memory-bound: wide layers, many tokens.
+CONFIGS = {
+    "launch-bound": MoEConfig(hidden=256, ffn=512, num_experts=8, topk=2, layers=12,
+                              num_tokens=1024, capacity_factor=1.25, pad_multiple=16),
+    "memory-bound": MoEConfig(hidden=2048, ffn=4096, num_experts=8, topk=2, layers=8,
+                              num_tokens=8192, capacity_factor=1.25, pad_multiple=16),
+}
+QUICK = {"quick": MoEConfig(hidden=256, ffn=512, num_experts=8, topk=2, layers=4,
+                            num_tokens=1024, capacity_factor=1.25, pad_multiple=16)}
+MODES = ("eager dropless", "graph + budget", "graph + budget + stash", "+ host tier")
+
+
+def _capture(step, warmup: int = 3):
+    """Warm ``step`` up on a side stream, then capture one call in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
+def _stash_manager(mode: str, device, status):
+    from ..stash import StashConfig, StashManager
+
+    if mode == "graph + budget + stash":
+        config = StashConfig(host_tier=False)
+    else:
+        config = StashConfig(device_factor=0.6, host_factor=0.6, host_tier=True)
+    return StashManager(config, device=device, status=status)
+
+
+def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) -> dict:
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    status = torch.zeros(8, dtype=torch.int32, device=device)
+    model_mode = {"eager dropless": "dropless", "graph + budget": "budget"}.get(mode, "stash")
+    manager = _stash_manager(mode, device, status) if model_mode == "stash" else None
+    model = MoEModel(config, mode=model_mode, group=group, stash_manager=manager,
+                     status=status, seed=0).to(device=device, dtype=torch.bfloat16)
+    graphed = mode != "eager dropless"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphed)
+    static_x = batches[0].clone()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        if manager is None:
+            loss = model(static_x).float().pow(2).mean()
+            loss.backward()
+        else:
+            manager.begin_step()
+            with manager:
+                loss = model(static_x).float().pow(2).mean()
+                loss.backward()
+            manager.end_step()
+        opt.step()
+        return loss.detach()
+
+    if graphed:
+        graph, _ = _capture(step)
+        run = graph.replay
+    else:
+        for _ in range(2):
+            step()
+        run = step
+    torch.cuda.synchronize(device)
+    if group is not None:
+        torch.distributed.barrier(group)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        static_x.copy_(batches[i % len(batches)])
+        run()
+    torch.cuda.synchronize(device)
+    elapsed = (time.perf_counter() - t0) / steps
+    result = {
+        "step_ms": elapsed * 1e3,
+        "peak_mib": (torch.cuda.max_memory_allocated(device) - base) / 2**20,
+        "over_budget": int(status[2]),
+        "overflow": int(status[0]),
+    }
+    del model, opt, manager
+    return result
+
+
+def _print_table(name: str, config: MoEConfig, world: int, results: dict) -> None:
+    eager, graph = results["eager dropless"], results["graph + budget"]
+    print(f"\nMoE {name}: {config.layers} layers, hidden {config.hidden}, ffn {config.ffn}, "
+          f"{config.num_experts} experts top-{config.topk}, {config.num_tokens} tokens/rank, "
+          f"EP={world}, bf16")
+    print(f"{'mode':<24}{'step ms':>9}{'peak MiB':>10}{'mem/eager':>11}{'mem/graph':>11}"
+          f"{'time/graph':>11}{'speedup':>9}  flags")
+    for mode, r in results.items():
+        if "error" in r:
+            print(f"{mode:<24}  failed: {r['error']}")
+            continue
+        print(f"{mode:<24}{r['step_ms']:>9.2f}{r['peak_mib']:>10.1f}"
+              f"{r['peak_mib'] / eager['peak_mib']:>11.2f}{r['peak_mib'] / graph['peak_mib']:>11.2f}"
+              f"{r['step_ms'] / graph['step_ms']:>11.2f}{eager['step_ms'] / r['step_ms']:>9.2f}"
+              f"  over_budget={r['over_budget']} overflow={r['overflow']}")
+
+
+def run(quick: bool = False) -> dict:
+    """Benchmark every mode on every configuration; returns ``{config: {mode: numbers}}``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    group = None
+    if world > 1:
+        import torch.distributed as dist
+
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        group = dist.group.WORLD
+    device = torch.device("cuda", torch.cuda.current_device())
+    rank = torch.distributed.get_rank() if group is not None else 0
+    steps = 5 if quick else 20
+    out = {}
+    for name, config in (QUICK if quick else CONFIGS).items():
+        config = dataclasses.replace(config)
+        if world > 1:
+            config.chunk_factor = 2.0
+        gen = torch.Generator().manual_seed(1234 + rank)
+        batches = [torch.randn(config.num_tokens, config.hidden, generator=gen)
+                   .to(device=device, dtype=torch.bfloat16) for _ in range(4)]
+        results = {}
+        for mode in MODES:
+            try:
+                results[mode] = _run_mode(mode, config, group, device, batches, steps)
+            except ImportError as exc:          # stash module missing
+                results[mode] = {"error": str(exc)}
+        if rank == 0:
+            _print_table(name, config, world, results)
+        out[name] = results
+    return out

@@ -1,0 +1,188 @@
+"""The reference MoE model: what ``graphstash demo`` and ``graphstash bench moe`` run.
+
+``L`` blocks of (optional attention,) RMSNorm, a top-k softmax router, SiLU experts run as
+grouped GEMMs over the dispatched buffer, and a residual. Three modes:
+
+- ``"dropless"``: eager, every dispatch sized from the real counts (host reads);
+- ``"budget"``: static-budget dispatch, nothing read back: capturable in a CUDA graph;
+- ``"stash"``: ``"budget"`` plus ``stash_activations`` around the experts, so the
+  budget-sized activations autograd keeps are paged out down to their live rows.
+
+Expert parallel: pass ``group``; each rank holds ``num_experts / W`` experts (a slice of the
+same full initialisation on every rank), the rest of the model is replicated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .dispatch import budget_rows, combine, dispatch
+from .experts import grouped_mm
+
+MODES = ("dropless", "budget", "stash")
+
+
+@dataclasses.dataclass
+class MoEConfig:
+    """Sizes of :class:`MoEModel`; ``num_tokens`` is the tokens of one step on one rank."""
+    hidden: int = 256
+    ffn: int = 512
+    num_experts: int = 8
+    topk: int = 2
+    layers: int = 4
+    num_tokens: int = 1024
+    capacity_factor: float = 1.25
+    pad_multiple: int | None = None
+    attention: bool = False
+    heads: int = 4
+    seq_len: int = 128            # attention only: tokens are [num_tokens / seq_len, seq_len]
+    chunk_factor: float | None = None   # expert parallel: chunk = factor x average per rank
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.RMSNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+        T, H = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(T // seq_len, seq_len, 3, self.heads,
+                                              H // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(a.transpose(1, 2).reshape(T, H))
+
+
+class MoEBlock(nn.Module):
+    """One block: ``x + combine(experts(dispatch(norm(x))))`` (after optional attention)."""
+
+    def __init__(self, config: MoEConfig, local_experts: int, first_expert: int,
+                 generator: torch.Generator):
+        super().__init__()
+        c = config
+        self.config = c
+        self.attn = _Attention(c.hidden, c.heads) if c.attention else None
+        self.norm = nn.RMSNorm(c.hidden)
+        self.router = nn.Linear(c.hidden, c.num_experts, bias=False)
+        # Full expert weights drawn from one generator on every rank; this rank keeps a slice.
+        w1 = torch.randn(c.num_experts, c.ffn, c.hidden, generator=generator) / math.sqrt(c.hidden)
+        w2 = torch.randn(c.num_experts, c.hidden, c.ffn, generator=generator) / math.sqrt(c.ffn)
+        sl = slice(first_expert, first_expert + local_experts)
+        self.w1 = nn.Parameter(w1[sl].clone())
+        self.w2 = nn.Parameter(w2[sl].clone())
+        with torch.no_grad():
+            self.router.weight.copy_(torch.randn(c.num_experts, c.hidden, generator=generator)
+                                     / math.sqrt(c.hidden))
+
+    def route(self, x: torch.Tensor):
+        """Top-k softmax router: int64 ``[T, K]`` experts and ``[T, K]`` weights (x's dtype)."""
+        logits = self.router(x).float()
+        probs = torch.softmax(logits, dim=-1)
+        weight, idx = torch.topk(probs, self.config.topk, dim=-1)
+        weight = weight / weight.sum(-1, keepdim=True)
+        return idx, weight.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, *, mode: str, group=None, stash_manager=None,
+                status=None) -> torch.Tensor:
+        c = self.config
+        if self.attn is not None:
+            x = self.attn(x, c.seq_len)
+        h = self.norm(x)
+        idx, weight = self.route(h)
+        world = 1
+        if group is not None:
+            import torch.distributed as dist
+
+            world = dist.get_world_size(group)
+        budget = None
+        chunk = None
+        if mode != "dropless":
+            budget = budget_rows(x.shape[0], c.topk, c.num_experts,
+                                 capacity_factor=c.capacity_factor, pad_multiple=c.pad_multiple,
+                                 world_size=world)
+            if group is not None and c.chunk_factor is not None:
+                chunk = max(1, math.ceil(c.chunk_factor * x.shape[0] * c.topk / world))
+        permuted, counts, handle = dispatch(h, idx, weight, c.num_experts, budget=budget,
+                                            pad_multiple=c.pad_multiple, group=group,
+                                            chunk_rows=chunk, status=status)
+        if mode == "stash":
+            from ..stash import stash_activations
+
+            with stash_activations(handle.live_rows, manager=stash_manager, name="moe.experts",
+                                   max_tokens=handle.budget_rows):
+                out = combine(self._experts(permuted, counts), handle)
+        else:
+            out = combine(self._experts(permuted, counts), handle)
+        return x + out
+
+    def _experts(self, permuted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        a = F.silu(grouped_mm(permuted, self.w1, counts))
+        return grouped_mm(a, self.w2, counts)
+
+
+class MoEModel(nn.Module):
+    """``layers`` MoE blocks over ``[num_tokens, hidden]`` tokens.
+
+    Args:
+        config: sizes (:class:`MoEConfig`).
+        mode: ``"dropless"``, ``"budget"`` or ``"stash"`` (see the module docstring).
+        group: ``torch.distributed`` group for expert parallelism (``None``: one device).
+        stash_manager: ``graphstash.stash.StashManager`` for ``mode="stash"`` (default: the
+            one ``stash_activations`` picks).
+        status: int32 ``[8]`` status for every dispatch (default: the per-device default).
+        seed: initialisation seed; equal seeds give equal models (and equal expert slices
+            under expert parallelism).
+
+    ``forward(x)`` takes ``[num_tokens, hidden]`` tokens on the model's device and returns
+    the same shape. Example::
+
+        model = MoEModel(MoEConfig(hidden=64, ffn=128), mode="budget").to(device)
+        loss = model(x).float().pow(2).mean()
+    """
+
+    def __init__(self, config: MoEConfig, *, mode: str = "budget", group=None,
+                 stash_manager=None, status=None, seed: int = 0):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        world, rank = 1, 0
+        if group is not None:
+            import torch.distributed as dist
+
+            world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if config.num_experts % world:
+            raise ValueError(f"config.num_experts: expected a multiple of the group size "
+                             f"{world}, got {config.num_experts}")
+        if config.hidden % config.heads and config.attention:
+            raise ValueError(f"config.heads: expected a divisor of hidden={config.hidden}, "
+                             f"got {config.heads}")
+        self.config = config
+        self.mode = mode
+        self.group = group
+        self.stash_manager = stash_manager
+        self.status = status
+        local = config.num_experts // world
+        gen = torch.Generator().manual_seed(seed)
+        with torch.random.fork_rng(devices=[]):      # attention's default init, seeded too
+            torch.manual_seed(seed)
+            self.blocks = nn.ModuleList(MoEBlock(config, local, rank * local, gen)
+                                        for _ in range(config.layers))
+        self.norm = nn.RMSNorm(config.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.config.hidden:
+            raise ValueError(f"x: expected [num_tokens, {self.config.hidden}] tokens, got "
+                             f"shape {tuple(x.shape)}")
+        if self.config.attention and x.shape[0] % self.config.seq_len:
+            raise ValueError(f"x: with attention, num_tokens must be a multiple of "
+                             f"seq_len={self.config.seq_len}, got {x.shape[0]}")
+        for block in self.blocks:
+            x = block(x, mode=self.mode, group=self.group, stash_manager=self.stash_manager,
+                      status=self.status)
+        return self.norm(x)

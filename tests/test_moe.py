@@ -1,0 +1,254 @@
+"""MoE dispatch/combine on the reference backend (CPU), the experts and the reference model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphstash
+from graphstash import _layout as L
+from graphstash.moe import (MoEConfig, MoEModel, budget_rows, combine, dispatch, grouped_mm)
+from graphstash.reference.moe import dense_moe
+
+from _moe_data import expected_layout, routing, tokens
+
+
+def _status():
+    return torch.zeros(L.STATUS_SIZE, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("pad", [None, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dispatch_layout_is_exact(gen, pad, dtype):
+    T, H, E, K = 37, 24, 5, 2
+    x = tokens(T, H, gen, dtype)
+    idx, w = routing(T, K, E, gen, dtype, skew=2.0)
+    budget = budget_rows(T, K, E, capacity_factor=2.0, pad_multiple=pad)
+    status = _status()
+    permuted, tpe, handle = dispatch(x, idx, w, E, budget=budget, pad_multiple=pad,
+                                     status=status)
+    rows, want_tpe = expected_layout(idx, E, budget, pad)
+    want = torch.stack([x[t] if r is not None else torch.zeros(H, dtype=dtype)
+                        for r, t in ((r, r[0] if r else 0) for r in rows)])
+    assert permuted.shape == (budget, H) and permuted.dtype == dtype
+    torch.testing.assert_close(permuted, want, atol=0, rtol=0)
+    assert tpe.dtype == torch.int32 and tpe.tolist() == want_tpe
+    assert int(handle.live_rows) == sum(want_tpe)
+    assert int(status[L.SS_OVER_BUDGET]) == 0
+    assert int(status[L.SS_TOKENS_PEAK]) == sum(want_tpe)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2),
+                                       (torch.float64, 1e-12)])
+def test_identity_experts_give_weighted_sum(gen, dtype, tol):
+    T, H, E, K = 50, 16, 6, 3
+    x = tokens(T, H, gen, dtype)
+    idx, w = routing(T, K, E, gen, dtype)
+    status = _status()
+    budget = budget_rows(T, K, E, capacity_factor=1.0, pad_multiple=8)   # fits any routing
+    permuted, _, handle = dispatch(x, idx, w, E, budget=budget, pad_multiple=8, status=status)
+    out = combine(permuted, handle)
+    assert int(status[L.SS_OVER_BUDGET]) == 0
+    want = (x.double() * w.double().sum(1, keepdim=True))
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * want.abs().max())
+
+
+def _experts_fn(w1):
+    return lambda e, rows: rows @ w1[e].t()
+
+
+def test_gradients_match_dense_gradcheck_fp64(gen):
+    T, H, E, K = 9, 4, 3, 2
+    x = tokens(T, H, gen, torch.float64).requires_grad_()
+    idx, w = routing(T, K, E, gen, torch.float64)
+    w = w.requires_grad_()
+    w1 = (torch.rand(E, H, H, generator=gen, dtype=torch.float64) - 0.5).requires_grad_()
+
+    def ours(x, w, w1):
+        permuted, counts, handle = dispatch(x, idx, w, E, budget=T * K + 6, pad_multiple=2,
+                                           status=_status())
+        return combine(grouped_mm(permuted, w1, counts), handle)
+
+    assert torch.autograd.gradcheck(ours, (x, w, w1))
+    out = ours(x, w, w1)
+    dense = dense_moe(x, idx, w, _experts_fn(w1))
+    torch.testing.assert_close(out, dense)
+    g = torch.rand(T, H, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, (x, w, w1), g)
+    want = torch.autograd.grad(dense, (x, w, w1), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_over_budget_drops_rows_and_raises_flag(gen):
+    T, H, E, K = 40, 8, 4, 2
+    x = tokens(T, H, gen)
+    idx, w = routing(T, K, E, gen, skew=3.0)
+    budget = 30                                   # 80 pairs do not fit
+    status = _status()
+    permuted, tpe, handle = dispatch(x, idx, w, E, budget=budget, status=status)
+    rows, want_tpe = expected_layout(idx, E, budget, None)
+    assert int(status[L.SS_OVER_BUDGET]) == 1 and bool(handle.over_budget)
+    assert int(status[L.SS_TOKENS_PEAK]) == T * K
+    assert tpe.tolist() == want_tpe and int(tpe.sum()) == budget
+    for r, src in enumerate(rows):
+        torch.testing.assert_close(permuted[r], x[src[0]], atol=0, rtol=0)
+    out = combine(permuted, handle)
+    kept = torch.zeros(T, K)
+    for src in rows:
+        kept[src] = 1
+    want = x * (w * kept).sum(1, keepdim=True)
+    torch.testing.assert_close(out, want)
+    # sticky: a later dispatch that fits leaves the flag raised
+    dispatch(x[:4], idx[:4], w[:4], E, budget=budget, status=status)
+    assert int(status[L.SS_OVER_BUDGET]) == 1
+
+
+@pytest.mark.parametrize("how", ["budget_none", "dropless_mode"])
+def test_dropless_sizes_exactly_and_never_flags(gen, how):
+    T, H, E, K = 33, 8, 4, 2
+    x = tokens(T, H, gen)
+    idx, w = routing(T, K, E, gen, skew=3.0)
+    status = _status()
+    if how == "budget_none":
+        permuted, tpe, handle = dispatch(x, idx, w, E, budget=None, pad_multiple=4,
+                                         status=status)
+    else:
+        with graphstash.dropless():
+            permuted, tpe, handle = dispatch(x, idx, w, E, budget=5, pad_multiple=4,
+                                             status=status)
+    rows, want_tpe = expected_layout(idx, E, 10**6, 4)
+    n = sum(want_tpe)
+    assert permuted.shape == (n, H) and tpe.tolist() == want_tpe
+    assert int(status[L.SS_OVER_BUDGET]) == 0
+    torch.testing.assert_close(combine(permuted, handle), x * w.sum(1, keepdim=True))
+
+
+def test_bad_input_names_the_argument(gen):
+    T, H, E, K = 6, 4, 3, 2
+    x = tokens(T, H, gen)
+    idx, w = routing(T, K, E, gen)
+    bad = idx.clone()
+    bad[2, 1] = E
+    with pytest.raises(ValueError, match="topk_idx.*\\[0, 3\\)"):
+        dispatch(x, bad, w, E, budget=20)
+    bad[2, 1] = -1
+    with pytest.raises(ValueError, match="topk_idx"):
+        dispatch(x, bad, w, E, budget=20)
+    with pytest.raises(ValueError, match="topk_idx: expected shape"):
+        dispatch(x, idx[:-1], w[:-1], E, budget=20)
+    with pytest.raises(ValueError, match="topk_weight: expected shape"):
+        dispatch(x, idx, w[:, :1], E, budget=20)
+    with pytest.raises(TypeError, match="topk_idx: expected an int32 or int64"):
+        dispatch(x, idx.float(), w, E, budget=20)
+    with pytest.raises(TypeError, match="x: expected"):
+        dispatch(x.int(), idx, w, E, budget=20)
+    with pytest.raises(ValueError, match="x: expected a 2-D"):
+        dispatch(x.unsqueeze(0), idx, w, E, budget=20)
+    with pytest.raises(ValueError, match="budget: expected an int > 0"):
+        dispatch(x, idx, w, E, budget=0)
+    with pytest.raises(ValueError, match="num_experts"):
+        dispatch(x, idx, w, 0, budget=20)
+    with pytest.raises(ValueError, match="pad_multiple"):
+        dispatch(x, idx, w, E, budget=20, pad_multiple=0)
+    with pytest.raises(ValueError, match="status"):
+        dispatch(x, idx, w, E, budget=20, status=torch.zeros(3, dtype=torch.int32))
+    permuted, _, handle = dispatch(x, idx, w, E, budget=20, status=_status())
+    with pytest.raises(ValueError, match="y: expected a 2-D tensor of 20 rows"):
+        combine(permuted[:-1], handle)
+    with pytest.raises(TypeError, match="y: expected dtype"):
+        combine(permuted.double(), handle)
+    with pytest.raises(TypeError, match="handle"):
+        combine(permuted, "handle")
+
+
+def test_grouped_mm_implementations_agree(gen):
+    R, H, N, E = 40, 16, 8, 3
+    x = tokens(R, H, gen)
+    w = torch.rand(E, N, H, generator=gen) - 0.5
+    counts = torch.tensor([12, 0, 20], dtype=torch.int32)
+    want = torch.cat([x[:12] @ w[0].t(), x[12:32] @ w[2].t()])
+    for impl in ("loop", "masked", "auto"):
+        out = grouped_mm(x, w, counts, impl=impl)
+        torch.testing.assert_close(out[:32], want, msg=impl)
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        grouped_mm(x, w, counts[:2])
+
+
+def _model_config(**kw):
+    base = dict(hidden=32, ffn=48, num_experts=4, topk=2, layers=2, num_tokens=64,
+                capacity_factor=4.0, pad_multiple=4)
+    base.update(kw)
+    return MoEConfig(**base)
+
+
+@pytest.mark.parametrize("attention", [False, True])
+def test_model_budget_matches_dropless(gen, attention):
+    config = _model_config(attention=attention, seq_len=16)
+    x = tokens(config.num_tokens, config.hidden, gen) / config.num_tokens
+    outs, grads = [], []
+    for mode in ("dropless", "budget"):
+        status = _status()
+        model = MoEModel(config, mode=mode, status=status, seed=3)
+        y = model(x)
+        y.float().pow(2).mean().backward()
+        outs.append(y)
+        grads.append([p.grad for p in model.parameters()])
+        assert int(status[L.SS_OVER_BUDGET]) == 0
+    torch.testing.assert_close(outs[0], outs[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_model_tight_budget_raises_flag(gen):
+    config = _model_config(capacity_factor=0.3)
+    x = tokens(config.num_tokens, config.hidden, gen) / config.num_tokens
+    status = _status()
+    MoEModel(config, mode="budget", status=status)(x)
+    assert int(status[L.SS_OVER_BUDGET]) == 1
+    with pytest.raises(ValueError, match="mode"):
+        MoEModel(config, mode="graph")
+
+
+def test_model_stash_mode_matches_budget(gen):
+    gen.manual_seed(1)
+    stash = pytest.importorskip("graphstash.stash", reason="graphstash.stash is not available")
+    config = _model_config(hidden=64, ffn=64)
+    results = []
+    for mode in ("budget", "stash"):
+        manager = None
+        if mode == "stash":
+            manager = stash.StashManager(stash.StashConfig(min_tensor_bytes=0,
+                                                           initial_tokens=4096),
+                                         device=torch.device("cpu"))
+        model = MoEModel(config, mode=mode, stash_manager=manager, seed=5)
+        per_step = []
+        for step in range(2):                 # the second step runs on measured sizes
+            x = tokens(config.num_tokens, config.hidden, gen) / (step + 1) / config.num_tokens
+            if manager is not None:
+                manager.begin_step()
+                with manager:
+                    y = model(x)
+                    y.pow(2).mean().backward()
+                manager.end_step()
+                assert not manager.read_status()["overflow"]
+            else:
+                y = model(x)
+                y.pow(2).mean().backward()
+            per_step.append((y.detach(), [p.grad.clone() for p in model.parameters()]))
+            model.zero_grad(set_to_none=True)
+        results.append(per_step)
+        gen.manual_seed(1)                    # same inputs for both modes
+    for (ya, ga), (yb, gb) in zip(*results):
+        torch.testing.assert_close(ya, yb)
+        for a, b in zip(ga, gb):
+            torch.testing.assert_close(a, b)
+
+
+def test_moe_demo_runs_on_cpu(capsys):
+    from graphstash.moe import demo
+
+    results = demo.run(device="cpu", steps=2)
+    assert set(results) == {"dropless", "budget"}
+    torch.testing.assert_close(torch.tensor(results["dropless"]["losses"]),
+                               torch.tensor(results["budget"]["losses"]))
+    assert "moe budget" in capsys.readouterr().out

@@ -1,0 +1,192 @@
+"""Expert-parallel dispatch/combine over 2 processes, compared with the one-device reference.
+
+Every rank builds the data of both ranks from one seed, runs the expert-parallel path on its
+own tokens (each rank holds half of the experts), and checks its outputs and gradients
+against the one-device dispatch/combine run with all experts: token outputs and router-weight
+gradients per rank, expert-weight gradients summed over both ranks' tokens.
+The CPU variant uses gloo and the reference backend; the GPU variant uses NCCL and the CuPy
+kernels, and also captures the step in a CUDA graph and replays it with changing routing.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from graphstash import _layout as L
+from graphstash.moe import budget_rows, combine, dispatch, grouped_mm
+
+from _moe_data import routing, tokens
+
+T, H, E, K, WORLD = 48, 16, 4, 2, 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _data(seed: int, rank: int, device, dtype, skew=None):
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    x = tokens(T, H, gen, dtype, offset=1000 * rank).to(device) / T
+    idx, w = routing(T, K, E, gen, dtype, skew=skew)
+    grad = (torch.rand(T, H, generator=gen, dtype=torch.float64) - 0.5).to(device, dtype)
+    return x, idx.to(device), w.to(device), grad
+
+
+def _weights(seed: int, device, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    return ((torch.rand(E, H, H, generator=gen, dtype=torch.float64) - 0.5) / 4).to(device, dtype)
+
+
+def _step(x, idx, w, w1, *, group, budget, pad, status, chunk_rows=None):
+    """One MoE layer: dispatch, linear experts (grouped GEMM), combine."""
+    permuted, counts, handle = dispatch(x, idx, w, E, budget=budget, pad_multiple=pad,
+                                        group=group, chunk_rows=chunk_rows, status=status)
+    return combine(grouped_mm(permuted, w1, counts), handle)
+
+
+def _reference(seed, device, dtype, skew=None):
+    """One-device results for both ranks: outputs, x/w grads per rank, summed expert grad."""
+    w1 = _weights(seed, device, dtype).requires_grad_()
+    outs, gxs, gws = [], [], []
+    status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)
+    for r in range(WORLD):
+        x, idx, w, grad = _data(seed, r, device, dtype, skew)
+        x.requires_grad_(), w.requires_grad_()
+        out = _step(x, idx, w, w1, group=None, budget=None, pad=None, status=status)
+        gx, gw = torch.autograd.grad(out, (x, w), grad, retain_graph=True)
+        (out * grad).sum().backward()
+        outs.append(out.detach()), gxs.append(gx), gws.append(gw)
+    return outs, gxs, gws, w1.grad
+
+
+def _check_rank(rank, seed, device, dtype, out, x, w, w1_local, tol, skew=None):
+    outs, gxs, gws, gw1 = _reference(seed, device, dtype, skew)
+    E_l = E // WORLD
+    torch.testing.assert_close(out.detach(), outs[rank], **tol)
+    torch.testing.assert_close(x.grad, gxs[rank], **tol)
+    torch.testing.assert_close(w.grad, gws[rank], **tol)
+    torch.testing.assert_close(w1_local.grad, gw1[rank * E_l:(rank + 1) * E_l], **tol)
+
+
+def _eager_case(rank, device, dtype, group, budget, pad, tol, seed):
+    x, idx, w, grad = _data(seed, rank, device, dtype)
+    x.requires_grad_(), w.requires_grad_()
+    E_l = E // WORLD
+    w1 = _weights(seed, device, dtype)[rank * E_l:(rank + 1) * E_l].clone().requires_grad_()
+    status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)
+    out = _step(x, idx, w, w1, group=group, budget=budget, pad=pad, status=status)
+    (out * grad).sum().backward()
+    assert int(status[L.SS_OVER_BUDGET]) == 0
+    _check_rank(rank, seed, device, dtype, out, x, w, w1, tol)
+
+
+def _over_budget_case(rank, device, dtype, group):
+    x, idx, w, _ = _data(7, rank, device, dtype, skew=4.0)   # experts 0, 1 (rank 0) favoured
+    w1 = _weights(7, device, dtype)[:E // WORLD].clone()
+    status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)
+    _step(x, idx, w, w1, group=group, budget=16, pad=None, status=status)
+    flags = status[L.SS_OVER_BUDGET:L.SS_OVER_BUDGET + 1].clone()
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    assert int(flags) == 1
+    assert rank != 0 or int(status[L.SS_OVER_BUDGET]) == 1
+
+
+def _bad_input_case(device, dtype, group):
+    x, idx, w, _ = _data(1, 0, device, dtype)
+    with pytest.raises(ValueError, match="num_experts: expected a multiple of the group size 2"):
+        dispatch(x, idx.clamp(max=2), w, 3, budget=64, group=group)
+
+
+def _worker(rank, port, backend, results_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    on_gpu = backend == "nccl"
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+    dist.init_process_group(backend, rank=rank, world_size=WORLD,
+                            device_id=device if on_gpu else None)
+    group = dist.group.WORLD
+    tol = dict(rtol=1e-5, atol=1e-5)
+    try:
+        budget = budget_rows(T * WORLD, K, E, capacity_factor=1.0, pad_multiple=4,
+                             world_size=1)                  # fits any routing
+        _eager_case(rank, device, torch.float32, group, budget, 4, tol, seed=11)
+        _eager_case(rank, device, torch.float32, group, None, None, tol, seed=12)  # dropless
+        _over_budget_case(rank, device, torch.float32, group)
+        _bad_input_case(device, torch.float32, group)
+        if on_gpu:
+            _graph_case(rank, device, group, tol)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _graph_case(rank, device, group, tol):
+    """Capture dispatch -> experts -> combine -> backward; replay with changing routing."""
+    dtype = torch.float32
+    E_l = E // WORLD
+    seed0 = 21
+    budget = budget_rows(T * WORLD, K, E, capacity_factor=1.0, pad_multiple=4)
+    x0, idx0, w0, g0 = _data(seed0, rank, device, dtype)
+    static_x = x0.clone().requires_grad_()
+    static_w = w0.clone().requires_grad_()
+    static_idx, static_g = idx0.clone(), g0.clone()
+    w1 = _weights(seed0, device, dtype)[rank * E_l:(rank + 1) * E_l].clone().requires_grad_()
+    status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)
+
+    def step():
+        for p in (static_x, static_w, w1):
+            p.grad = None
+        out = _step(static_x, static_idx, static_w, w1, group=group, budget=budget, pad=4,
+                    status=status)
+        (out * static_g).sum().backward()
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for seed in (31, 32, 33):
+        x, idx, w, g = _data(seed, rank, device, dtype)
+        with torch.no_grad():
+            static_x.copy_(x), static_w.copy_(w), static_idx.copy_(idx), static_g.copy_(g)
+        w1_full = _weights(seed, device, dtype)
+        with torch.no_grad():
+            w1.copy_(w1_full[rank * E_l:(rank + 1) * E_l])
+        status.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(status[L.SS_OVER_BUDGET]) == 0
+        _check_rank(rank, seed, device, dtype, static_out, static_x, static_w, w1, tol)
+
+
+def _spawn(backend):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(_free_port(), backend, tmp), nprocs=WORLD, join=True)
+
+
+def test_expert_parallel_gloo_matches_reference():
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    _spawn("gloo")
+
+
+@pytest.mark.multigpu
+def test_expert_parallel_nccl_matches_reference_and_replays():
+    if not dist.is_nccl_available():
+        pytest.skip("needs torch.distributed with NCCL")
+    _spawn("nccl")

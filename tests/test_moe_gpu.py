@@ -1,0 +1,219 @@
+"""MoE dispatch/combine kernels on the GPU against the reference backend, and CUDA graphs.
+
+Data movement (gather, dispatch, combine, their input gradients) is compared exactly
+(NOTE [exact arithmetic] in raw_kernels/moe_dispatch.cu); the router-weight gradient, a dot
+product summed in a different order, within float tolerance.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphstash import _layout as L
+from graphstash.moe import MoEConfig, MoEModel, budget_rows, combine, dispatch, grouped_mm
+
+from _moe_data import routing, tokens
+
+pytestmark = pytest.mark.gpu
+EXACT = dict(atol=0, rtol=0)
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+
+
+def _status(device):
+    return torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)
+
+
+def _ops():
+    from graphstash._kernels import moe as cupy_ops
+    from graphstash.reference import moe as ref_ops
+
+    return cupy_ops, ref_ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [1, 7, 64, 1000])
+def test_kernels_match_reference_exactly(gen, dtype, hidden):
+    cupy_ops, ref_ops = _ops()
+    M, N, K = 97, 61, 3
+    src = tokens(M, hidden, gen, dtype).cuda()
+    index = torch.randint(-1, M, (N,), generator=gen, dtype=torch.int32).cuda()
+    outs = [torch.full((N, hidden), 7, dtype=dtype, device="cuda") for _ in range(2)]
+    cupy_ops.gather_rows(outs[0], src, index)
+    ref_ops.gather_rows(outs[1], src, index)
+    torch.testing.assert_close(outs[0], outs[1], **EXACT)
+
+    index2 = torch.randint(-1, M, (N, K), generator=gen, dtype=torch.int32).cuda()
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    weight = torch.rand(N, K, generator=gen, dtype=torch.float64).to("cuda", acc)
+    for w in (weight, None):
+        outs = [torch.full((N, hidden), 7, dtype=dtype, device="cuda") for _ in range(2)]
+        cupy_ops.combine_rows(outs[0], src, index2, w)
+        ref_ops.combine_rows(outs[1], src, index2, w)
+        torch.testing.assert_close(outs[0], outs[1], **EXACT)
+
+    grad = tokens(N, hidden, gen, dtype).cuda()
+    outs = [torch.zeros(N * K, dtype=acc, device="cuda") for _ in range(2)]
+    cupy_ops.weight_grad(outs[0], grad, src, index2)
+    ref_ops.weight_grad(outs[1], grad, src, index2)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5 * outs[1].abs().max())
+
+
+def test_unaligned_views_use_scalar_path(gen):
+    cupy_ops, ref_ops = _ops()
+    base = tokens(65, 9, gen, torch.bfloat16).cuda()
+    src = base[1:]                                          # 18-byte rows, odd offset
+    index = torch.randint(-1, 64, (40,), generator=gen, dtype=torch.int32).cuda()
+    outs = [torch.zeros(40, 9, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    cupy_ops.gather_rows(outs[0], src, index)
+    ref_ops.gather_rows(outs[1], src, index)
+    torch.testing.assert_close(outs[0], outs[1], **EXACT)
+
+
+def _run(x, idx, w, E, budget, pad, backend, grad, status):
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    permuted, tpe, handle = dispatch(x, idx, w, E, budget=budget, pad_multiple=pad,
+                                     status=status, backend=backend)
+    y = permuted * 2 + 1                      # an elementwise "expert": row order matters
+    out = combine(y, handle)
+    (out * grad).sum().backward()
+    return permuted.detach(), tpe, out.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pad,factor", [(None, 1.5), (8, 1.5), (None, 0.5)])
+def test_dispatch_combine_gpu_equals_reference(gen, dtype, pad, factor):
+    T, H, E, K = 301, 72, 8, 2
+    x = tokens(T, H, gen, dtype).cuda()
+    idx, w = routing(T, K, E, gen, dtype, skew=2.0)
+    idx, w = idx.cuda(), w.cuda()
+    grad = tokens(T, H, gen, dtype).cuda() / T
+    budget = budget_rows(T, K, E, capacity_factor=factor, pad_multiple=pad)
+    st = [_status("cuda"), _status("cuda")]
+    got = _run(x, idx, w, E, budget, pad, "cupy", grad, st[0])
+    want = _run(x, idx, w, E, budget, pad, "reference", grad, st[1])
+    for a, b in zip(got[:4], want[:4]):
+        torch.testing.assert_close(a, b, **EXACT)
+    tol = 1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-5
+    torch.testing.assert_close(got[4], want[4], rtol=tol, atol=tol)
+    torch.testing.assert_close(st[0], st[1], **EXACT)
+    assert int(st[0][L.SS_OVER_BUDGET]) == (1 if factor < 1 else 0)
+
+
+def test_gradcheck_fp64_on_gpu(gen):
+    T, H, E, K = 10, 4, 3, 2
+    x = tokens(T, H, gen, torch.float64).cuda().requires_grad_()
+    idx, w = routing(T, K, E, gen, torch.float64)
+    idx, w = idx.cuda(), w.cuda().requires_grad_()
+    w1 = (torch.rand(E, H, H, generator=gen, dtype=torch.float64) - 0.5).cuda().requires_grad_()
+
+    def f(x, w, w1):
+        permuted, counts, handle = dispatch(x, idx, w, E, budget=T * K + 6, pad_multiple=2,
+                                            status=_status("cuda"))
+        return combine(grouped_mm(permuted, w1, counts), handle)
+
+    assert torch.autograd.gradcheck(f, (x, w, w1))
+
+
+def test_out_of_range_index_flags_overflow_on_gpu(gen):
+    T, H, E, K = 16, 8, 4, 2
+    x = tokens(T, H, gen).cuda()
+    idx, w = routing(T, K, E, gen)
+    idx[3, 0] = E + 5
+    status = _status("cuda")
+    permuted, tpe, handle = dispatch(x, idx.cuda(), w.cuda(), E, budget=64, status=status)
+    assert int(status[L.SS_OVERFLOW]) & L.OVERFLOW_COUNT
+    assert int(tpe.sum()) == T * K - 1
+    import graphstash
+
+    with graphstash.dropless(), pytest.raises(ValueError, match="topk_idx"):
+        dispatch(x, idx.cuda(), w.cuda(), E, budget=64, status=status)
+
+
+def test_capture_and_replay_with_changing_routing(gen):
+    T, H, E, K = 256, 64, 8, 2
+    dtype = torch.bfloat16
+    budget = budget_rows(T, K, E, capacity_factor=1.3, pad_multiple=8)
+    static_x = tokens(T, H, gen, dtype).cuda().requires_grad_()
+    idx, w = routing(T, K, E, gen, dtype)
+    static_idx, static_w = idx.cuda(), w.cuda().requires_grad_()
+    static_g = tokens(T, H, gen, dtype).cuda() / T
+    status = _status("cuda")
+
+    def step():
+        static_x.grad = static_w.grad = None
+        permuted, tpe, handle = dispatch(static_x, static_idx, static_w, E, budget=budget,
+                                         pad_multiple=8, status=status)
+        out = combine(permuted * 2 + 1, handle)
+        (out * static_g).sum().backward()
+        return permuted.detach(), tpe, out.detach()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for skew in (None, 1.0, 6.0):              # the last one overflows the budget
+        x = tokens(T, H, gen, dtype).cuda()
+        idx, w = routing(T, K, E, gen, dtype, skew=skew)
+        g = tokens(T, H, gen, dtype).cuda() / T
+        with torch.no_grad():
+            static_x.copy_(x), static_idx.copy_(idx), static_w.copy_(w), static_g.copy_(g)
+        status.zero_()
+        graph.replay()
+        ref_status = _status("cuda")
+        want = _run(x, idx.cuda(), w.cuda(), E, budget, 8, "reference", g, ref_status)
+        got = (*static, static_x.grad, static_w.grad)
+        for a, b in zip(got[:4], want[:4]):
+            torch.testing.assert_close(a, b, **EXACT)
+        torch.testing.assert_close(got[4], want[4], rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(status, ref_status, **EXACT)
+
+
+def test_model_graph_step_matches_eager(gen):
+    config = MoEConfig(hidden=128, ffn=256, num_experts=8, topk=2, layers=3, num_tokens=512,
+                       capacity_factor=2.0, pad_multiple=8)
+    status = _status("cuda")
+    graphed = MoEModel(config, mode="budget", status=status, seed=1).cuda()
+    eager = MoEModel(config, mode="dropless", seed=1).cuda()
+    eager.load_state_dict(graphed.state_dict())
+    opt_g = torch.optim.SGD(graphed.parameters(), lr=0.1)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    static_x = torch.zeros(config.num_tokens, config.hidden, device="cuda")
+
+    def step():
+        opt_g.zero_grad(set_to_none=True)
+        loss = graphed(static_x).pow(2).mean()
+        loss.backward()
+        opt_g.step()
+        return loss.detach()
+
+    static_x.copy_(tokens(config.num_tokens, config.hidden, gen).cuda() / config.num_tokens)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    eager.load_state_dict(graphed.state_dict())
+    graph = torch.cuda.CUDAGraph()
+    opt_g.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_loss = step()
+    eager.load_state_dict(graphed.state_dict())   # the capture ran no update
+    for i in range(4):
+        x = torch.rand(config.num_tokens, config.hidden, generator=gen).cuda() + i
+        static_x.copy_(x)
+        graph.replay()
+        opt_e.zero_grad(set_to_none=True)
+        loss = eager(x).pow(2).mean()
+        loss.backward()
+        opt_e.step()
+        torch.testing.assert_close(static_loss, loss.detach(), rtol=1e-4, atol=1e-5)
+        for a, b in zip(graphed.parameters(), eager.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert int(status[L.SS_OVER_BUDGET]) == 0
