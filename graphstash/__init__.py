@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from .errors import (BackendUnavailableError, CaptureError, GraphstashError, PoolExhaustedError,
                      ReleasedError, StaleHandleError)
+from . import moe
 from ._mode import dropless, is_dropless
+from .graph import GraphStep, GraphStepStats, graph_step
 from .paging import PagedStashBuffer, PagedTensor, new_status
+from .stash import (StashConfig, StashManager, current_manager, mark_not_stashable,
+                    stash_activations)
 
 __version__ = "0.1.0"
 
@@ -31,15 +35,24 @@ def warmup(device=None) -> None:
 __all__ = [
     "BackendUnavailableError",
     "CaptureError",
+    "GraphStep",
+    "GraphStepStats",
     "GraphstashError",
     "PagedStashBuffer",
     "PagedTensor",
     "PoolExhaustedError",
     "ReleasedError",
     "StaleHandleError",
+    "StashConfig",
+    "StashManager",
+    "current_manager",
     "dropless",
+    "graph_step",
     "is_dropless",
+    "mark_not_stashable",
+    "moe",
     "new_status",
+    "stash_activations",
     "warmup",
     "__version__",
 ]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-SUITES = ("kernels",)
+SUITES = ("kernels", "stash", "graph", "moe", "offload")
 
 
 def add_arguments(parser) -> None:
