@@ -15,6 +15,8 @@ ST_DEMAND_PEAK = 7
 ST_TOKENS_PEAK = 8
 ST_STASH_TICKET = 9
 ST_RELOAD_TICKET = 10
+ST_STASH_WORK = 11
+ST_RELOAD_WORK = 12
 STATE_SIZE = 16
 
 # status shared by the buffers of a manager, int32 [STATUS_SIZE]

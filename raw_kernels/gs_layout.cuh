@@ -15,6 +15,8 @@
 #define GS_ST_TOKENS_PEAK 8     // most live rows one stash carried
 #define GS_ST_STASH_TICKET 9    // last-block ticket of the stash kernel (0 between launches)
 #define GS_ST_RELOAD_TICKET 10  // last-block ticket of the reload kernel
+#define GS_ST_STASH_WORK 11     // next work unit a stash block takes (0 between launches)
+#define GS_ST_RELOAD_WORK 12    // next work unit a reload block takes
 #define GS_STATE_SIZE 16
 
 // ---- status: int32 [GS_STATUS_SIZE], sticky, shared by every buffer of a manager --------

@@ -153,30 +153,6 @@ __device__ __forceinline__ void store_vec(V* p, V v) {
 #endif
 }
 
-// Copy n bytes (a multiple of sizeof(V)) with every thread keeping GS_UNROLL vectors in flight.
-template <typename V>
-__device__ __forceinline__ void copy_span(unsigned char* __restrict__ dst,
-                                          const unsigned char* __restrict__ src, long long n) {
-    constexpr long long chunk = static_cast<long long>(GS_THREADS) * GS_UNROLL * sizeof(V);
-    V* d = reinterpret_cast<V*>(dst);
-    const V* s = reinterpret_cast<const V*>(src);
-    for (long long base = 0; base < n; base += chunk) {
-        const int n_vec = static_cast<int>(min(chunk, n - base) / static_cast<long long>(sizeof(V)));
-        const long long v0 = base / static_cast<long long>(sizeof(V));
-        V r[GS_UNROLL];
-        #pragma unroll
-        for (int u = 0; u < GS_UNROLL; ++u) {
-            const int i = threadIdx.x + u * GS_THREADS;
-            if (i < n_vec) r[u] = load_vec(s + v0 + i);
-        }
-        #pragma unroll
-        for (int u = 0; u < GS_UNROLL; ++u) {
-            const int i = threadIdx.x + u * GS_THREADS;
-            if (i < n_vec) store_vec(d + v0 + i, r[u]);
-        }
-    }
-}
-
 template <typename V>
 __device__ __forceinline__ void zero_span(unsigned char* __restrict__ dst, long long n) {
     V* d = reinterpret_cast<V*>(dst);
@@ -187,7 +163,7 @@ __device__ __forceinline__ void zero_span(unsigned char* __restrict__ dst, long 
 
 // This block's share [begin, end) of a byte stream of `bytes` bytes, cut at vector boundaries:
 // NOTE [balanced split] every block of the (fully resident) grid gets the same number of
-// vectors, so no block is left with a whole extra chunk at the end of the launch.
+// vectors. Used for zero-filling, where the work is write-only and light.
 template <typename V>
 __device__ __forceinline__ void block_share(long long bytes, long long* begin, long long* end) {
     const long long n_vec = bytes / static_cast<long long>(sizeof(V));
@@ -214,32 +190,57 @@ __device__ __forceinline__ bool is_last_block(long long* ticket, int* s_flag) {
     return *s_flag != 0;
 }
 
-// Walk this block's share of the live rows, one piece (the part of a share inside one page) at
-// a time; calls visit(segment, page index g, offset in segment, offset in page, piece bytes).
-template <typename V, typename Visit>
-__device__ __forceinline__ void for_each_piece(const SegmentTable& t, int S, long long row_bytes,
-                                               long long page_bytes, Visit visit) {
-    long long o, end;
-    block_share<V>(t.rows[S] * row_bytes, &o, &end);
-    if (o >= end) return;
-    int s = S == 1 ? 0 : find_segment(S, o, [&](int k) { return t.rows[k] * row_bytes; });
-    while (o < end) {
-        const long long seg_begin = t.rows[s] * row_bytes, seg_end = t.rows[s + 1] * row_bytes;
-        if (o >= seg_end) { ++s; continue; }
-        const long long in_seg = o - seg_begin;
-        const int lp = static_cast<int>(in_seg / page_bytes);
-        const long long in_page = in_seg - lp * page_bytes;
-        const long long piece = min(end, min(seg_end, seg_begin + (lp + 1) * page_bytes)) - o;
-        visit(s, t.pages[s] + lp, in_seg, in_page, piece);
-        o += piece;
+// NOTE [dynamic units]: the live rows are cut into units that never cross a page: unit u is
+// chunk (u % units_per_page) of page (u / units_per_page), one chunk being GS_THREADS*GS_UNROLL
+// vectors. Blocks of the persistent grid take units from an atomic counter, so fast
+// multiprocessors take more of them and no block is left finishing a fixed share alone. The
+// next unit is claimed while the current unit's loads are in flight (double-buffered in
+// shared memory), so the atomic's latency hides behind them.
+template <typename V, typename Locate>
+__device__ __forceinline__ void for_each_unit(const SegmentTable& t, int S, long long row_bytes,
+                                              int page_rows, long long page_bytes,
+                                              unsigned long long* work, Locate locate) {
+    constexpr long long chunk = static_cast<long long>(GS_THREADS) * GS_UNROLL * sizeof(V);
+    __shared__ long long s_unit[2];
+    const long long units_per_page = (page_bytes + chunk - 1) / chunk;
+    const long long total_units = static_cast<long long>(t.pages[S]) * units_per_page;
+    if (threadIdx.x == 0) s_unit[0] = static_cast<long long>(atomicAdd(work, 1ULL));
+    __syncthreads();
+    for (int parity = 0;; parity ^= 1) {
+        const long long u = s_unit[parity];
+        if (u >= total_units) break;
+        const int g = static_cast<int>(u / units_per_page);
+        const long long off = (u - g * units_per_page) * chunk;
+        const int s = S == 1 ? 0 : find_segment(S, g, [&](int k) { return static_cast<long long>(t.pages[k]); });
+        const int lp = g - t.pages[s];
+        const long long bytes = min(page_rows, t.count[s] - lp * page_rows) * row_bytes;
+        const unsigned char* from;
+        unsigned char* to;
+        locate(s, g, lp, off, &from, &to);
+        const int n_vec = off < bytes ? static_cast<int>(min(chunk, bytes - off) / static_cast<long long>(sizeof(V))) : 0;
+        V r[GS_UNROLL];
+        const V* src = reinterpret_cast<const V*>(from);
+        V* dst = reinterpret_cast<V*>(to);
+        #pragma unroll
+        for (int k = 0; k < GS_UNROLL; ++k) {
+            const int i = threadIdx.x + k * GS_THREADS;
+            if (i < n_vec) r[k] = load_vec(src + i);
+        }
+        if (threadIdx.x == 0) s_unit[parity ^ 1] = static_cast<long long>(atomicAdd(work, 1ULL));
+        #pragma unroll
+        for (int k = 0; k < GS_UNROLL; ++k) {
+            const int i = threadIdx.x + k * GS_THREADS;
+            if (i < n_vec) store_vec(dst + i, r[k]);
+        }
+        __syncthreads();
     }
 }
 
 // ---------------------------------------------------------------------------------------
-// gs_stash_v<W>: persistent grid; each block copies an equal share of the live bytes
-// (NOTE [balanced split]) in W-byte vectors. Every block reads counts and ring counters and
-// reaches the same decision (NOTE [buffer ordering]); the block whose share holds the first
-// byte of a page writes that page's id into the handle record. The last block (ticket) writes
+// gs_stash_v<W>: persistent grid; blocks take page-sized-or-smaller units of the live rows from
+// an atomic counter (NOTE [dynamic units]) and copy them in W-byte vectors. Every block reads counts and ring counters and
+// reaches the same decision (NOTE [buffer ordering]); the block holding a page's first unit
+// writes that page's id into the handle record. The last block (ticket) writes
 // the record header and counts, moves the ring heads, the peaks and the status flags
 // (atomicOr/atomicMax: status is shared between buffers).
 // ---------------------------------------------------------------------------------------
@@ -265,14 +266,15 @@ __device__ void stash_impl(const unsigned char* __restrict__ src, long long seg_
     const bool stored = !bad && host_take <= host_free;
 
     if (stored) {
-        for_each_piece<V>(t, S, row_bytes, page_bytes,
-            [&](int s, int g, long long in_seg, long long in_page, long long piece) {
+        for_each_unit<V>(t, S, row_bytes, page_rows, page_bytes,
+            reinterpret_cast<unsigned long long*>(&state[GS_ST_STASH_WORK]),
+            [&](int s, int g, int lp, long long off, const unsigned char** from, unsigned char** to) {
                 const int page_id = g < dev_take
                     ? dev_ring[(dev_head + g) % num_dev]
                     : host_ring[(host_head + (g - dev_take)) % num_host];
-                if (in_page == 0 && threadIdx.x == 0) rec[GS_H_HEADER + S + g] = page_id;
-                copy_span<V>(page_address(dev_pages, host_pages, num_dev, page_bytes, page_id) + in_page,
-                             src + s * seg_stride + in_seg, piece);
+                if (off == 0 && threadIdx.x == 0) rec[GS_H_HEADER + S + g] = page_id;
+                *from = src + s * seg_stride + static_cast<long long>(lp) * page_rows * row_bytes + off;
+                *to = page_address(dev_pages, host_pages, num_dev, page_bytes, page_id) + off;
             });
     }
 
@@ -304,13 +306,15 @@ __device__ void stash_impl(const unsigned char* __restrict__ src, long long seg_
             atomicMax(&status[GS_SS_TOKENS_PEAK], static_cast<int>(min(rows, 0x7fffffffLL)));
         }
         state[GS_ST_STASH_TICKET] = 0;
+        state[GS_ST_STASH_WORK] = 0;
     }
 }
 
 // ---------------------------------------------------------------------------------------
-// gs_reload_v<W>: persistent grid; each block copies an equal share of the live bytes back
-// from the pages and, with zero_tail, zero-fills an equal share of the dead rows [n_s, cap).
-// The block whose share holds the first byte of a page returns the page to its ring, at slot
+// gs_reload_v<W>: persistent grid; blocks take units of the live rows from an atomic counter
+// (NOTE [dynamic units]) and copy them back; with zero_tail every block then zero-fills an
+// equal share of the dead rows [n_s, cap) (NOTE [balanced split]). The block holding a page's
+// first unit returns the page to its ring, at slot
 // tail + (index of the page within its tier). The last block moves the ring tails, lowers the
 // demand and marks the record consumed (-1). A record that was not stored (valid != 1) makes
 // the launch write nothing but the demand change.
@@ -331,18 +335,18 @@ __device__ void reload_impl(unsigned char* __restrict__ dst, long long seg_strid
     build_segments(t, rec + GS_H_COUNTS, 0, S, cap, page_rows);
 
     if (valid == 1) {
-        for_each_piece<V>(t, S, row_bytes, page_bytes,
-            [&](int s, int g, long long in_seg, long long in_page, long long piece) {
+        for_each_unit<V>(t, S, row_bytes, page_rows, page_bytes,
+            reinterpret_cast<unsigned long long*>(&state[GS_ST_RELOAD_WORK]),
+            [&](int s, int g, int lp, long long off, const unsigned char** from, unsigned char** to) {
                 const int page_id = rec[GS_H_HEADER + S + g];
-                if (in_page == 0 && threadIdx.x == 0) {
+                if (off == 0 && threadIdx.x == 0) {
                     if (g < dev_pages_n) dev_ring[(dev_tail + g) % num_dev] = page_id;
                     else host_ring[(host_tail + (g - dev_pages_n)) % num_host] = page_id;
                 }
-                copy_span<V>(dst + s * seg_stride + in_seg,
-                             page_address(const_cast<unsigned char*>(dev_pages),
-                                          const_cast<unsigned char*>(host_pages), num_dev,
-                                          page_bytes, page_id) + in_page,
-                             piece);
+                *from = page_address(const_cast<unsigned char*>(dev_pages),
+                                     const_cast<unsigned char*>(host_pages), num_dev, page_bytes,
+                                     page_id) + off;
+                *to = dst + s * seg_stride + static_cast<long long>(lp) * page_rows * row_bytes + off;
             });
         if (zero_tail) {
             // The dead rows, segment after segment: dead(s) rows lie before segment s.
@@ -369,6 +373,7 @@ __device__ void reload_impl(unsigned char* __restrict__ dst, long long seg_strid
         if (valid >= 0) state[GS_ST_DEMAND] -= rec[GS_H_PAGES];
         rec[GS_H_VALID] = -1;
         state[GS_ST_RELOAD_TICKET] = 0;
+        state[GS_ST_RELOAD_WORK] = 0;
     }
 }
 
