@@ -10,9 +10,11 @@ from .errors import (BackendUnavailableError, CaptureError, GraphstashError, Poo
 from . import moe
 from ._mode import dropless, is_dropless
 from .graph import GraphStep, GraphStepStats, graph_step
+from .offload import ActivationOffloader, HostPool, OffloadError, SavedTensorModifiedError
 from .paging import PagedStashBuffer, PagedTensor, new_status
 from .stash import (StashConfig, StashManager, current_manager, mark_not_stashable,
                     stash_activations)
+from .swap import TensorSwapper, default_swapper, swap
 
 __version__ = "0.1.0"
 
@@ -33,19 +35,25 @@ def warmup(device=None) -> None:
 
 
 __all__ = [
+    "ActivationOffloader",
     "BackendUnavailableError",
     "CaptureError",
     "GraphStep",
     "GraphStepStats",
     "GraphstashError",
+    "HostPool",
+    "OffloadError",
     "PagedStashBuffer",
     "PagedTensor",
     "PoolExhaustedError",
     "ReleasedError",
+    "SavedTensorModifiedError",
     "StaleHandleError",
     "StashConfig",
     "StashManager",
+    "TensorSwapper",
     "current_manager",
+    "default_swapper",
     "dropless",
     "graph_step",
     "is_dropless",
@@ -53,6 +61,7 @@ __all__ = [
     "moe",
     "new_status",
     "stash_activations",
+    "swap",
     "warmup",
     "__version__",
 ]
