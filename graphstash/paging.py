@@ -210,9 +210,9 @@ class PagedStashBuffer:
         if record_entries is not None:
             require_positive_int("record_entries", record_entries)
         self._generation = 0
-        self._event = None            # last stash/reload/reset, for NOTE [buffer ordering]
-        self._event_stream = None
-        self._event_captured = False
+        self._event = None            # NOTE [lazy ordering event]
+        self._last_stream = None      # stream of the last stash/reload/reset
+        self._last_captured = False
         self._pool: _Pool | None = None
         self._max_tokens = max_tokens
         self._host_tokens = host_tokens
@@ -347,12 +347,11 @@ class PagedStashBuffer:
         forbid_capture("PagedStashBuffer.release()")
         if self._pool is None:
             return
-        if self._event is not None and not self._event_captured:
-            self._event.synchronize()
+        if self._last_stream is not None and not self._last_captured:
+            self._last_stream.synchronize()
         self._pool = None
         self._slots = None
-        self._event = None
-        self._event_stream = None
+        self._last_stream = None
         self._generation += 1
 
     def reallocate(self, max_tokens: int | None = None, host_tokens: int | None = None) -> None:
@@ -373,24 +372,29 @@ class PagedStashBuffer:
 
     # ---- ordering -----------------------------------------------------------------------
     def _order_before(self) -> None:
-        """Make the current stream wait for this buffer's previous operation (another stream)."""
-        if self._device.type != "cuda" or self._event is None:
+        """Make the current stream wait for this buffer's previous operation on another stream.
+
+        NOTE [lazy ordering event]: nothing is recorded after an operation; only when the next
+        one comes on a *different* stream is an event recorded on the previous stream (covering
+        everything queued there so far, the previous operation included) and waited for. A run
+        of operations on one stream costs no event calls at all.
+        """
+        if self._device.type != "cuda" or self._last_stream is None:
             return
         stream = torch.cuda.current_stream(self._device)
-        if self._event_captured != is_capturing():
-            return   # an event from the other side of a capture boundary orders nothing here
-        if self._event_stream != stream.cuda_stream:
+        if self._last_captured != is_capturing():
+            return   # the other side of a capture boundary: nothing in this graph to wait for
+        if self._last_stream != stream:
+            if self._event is None:
+                self._event = torch.cuda.Event()
+            self._event.record(self._last_stream)
             stream.wait_event(self._event)
 
     def _order_after(self) -> None:
         if self._device.type != "cuda":
             return
-        stream = torch.cuda.current_stream(self._device)
-        if self._event is None:
-            self._event = torch.cuda.Event()
-        self._event.record(stream)
-        self._event_stream = stream.cuda_stream
-        self._event_captured = is_capturing()
+        self._last_stream = torch.cuda.current_stream(self._device)
+        self._last_captured = is_capturing()
 
     # ---- hot path -----------------------------------------------------------------------
     def _require_live(self, op: str) -> None:

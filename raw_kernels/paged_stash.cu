@@ -32,14 +32,31 @@
 
 #define GS_WARPS (GS_THREADS / 32)
 
-// Per-block view of a tensor's segments, built once per block from the S live counts.
+// Per-block view of a tensor's segments, built once per block from the S live counts. The
+// arrays live in dynamic shared memory sized for S by the launcher (gs_segment_smem_bytes):
+// an unsegmented tensor takes a few bytes, so the kernel does not force a large shared-memory
+// carve-out on the multiprocessors it shares with compute kernels.
 struct SegmentTable {
-    long long rows[GS_MAX_SEGMENTS + 1];   // rows[s] = live rows before segment s; rows[S] = all
-    int pages[GS_MAX_SEGMENTS + 1];        // pages[s] = first page of segment s; pages[S] = all
-    int count[GS_MAX_SEGMENTS];            // live rows of segment s
-    long long warp_rows[GS_WARPS];
-    int warp_pages[GS_WARPS];
+    long long* rows;    // [S + 1] rows[s] = live rows before segment s; rows[S] = all
+    int* pages;         // [S + 1] pages[s] = first page of segment s; pages[S] = all
+    int* count;         // [S] live rows of segment s
+    long long* warp_rows;
+    int* warp_pages;
 };
+
+extern __shared__ long long gs_segment_smem[];
+
+__device__ __forceinline__ SegmentTable segment_table(int S) {
+    __shared__ long long warp_rows[GS_WARPS];
+    __shared__ int warp_pages[GS_WARPS];
+    SegmentTable t;
+    t.rows = gs_segment_smem;
+    t.pages = reinterpret_cast<int*>(t.rows + S + 1);
+    t.count = t.pages + S + 1;
+    t.warp_rows = warp_rows;
+    t.warp_pages = warp_pages;
+    return t;
+}
 
 __device__ __forceinline__ int load_count(const void* counts, int is64, int s) {
     if (is64) {
@@ -78,7 +95,7 @@ __device__ T block_exclusive_scan(T value, T* warp_totals, T* total) {
 
 // Fill the segment table from S counts (device memory, int32 or int64 by is64).
 // Returns, block-uniformly, whether any count was < 0 or > cap (such counts read as 0).
-__device__ bool build_segments(SegmentTable& t, const void* counts, int is64, int S, int cap,
+__device__ bool build_segments(const SegmentTable& t, const void* counts, int is64, int S, int cap,
                                int page_rows) {
     if (S == 1) {   // the common unsegmented case: one count, one barrier
         int n = load_count(counts, is64, 0);
@@ -178,11 +195,12 @@ __device__ __forceinline__ unsigned char* page_address(unsigned char* dev_pages,
                              : host_pages + static_cast<long long>(page_id - num_dev) * page_bytes;
 }
 
-// Ticket taken by every block after its work; true in exactly one block, the last one.
+// Ticket taken by every block after its work; true in exactly one block, the last one. No
+// fence: the last block reads nothing the other blocks wrote (they wrote pages, page-table and
+// ring entries for later launches, which see them at the kernel boundary).
 __device__ __forceinline__ bool is_last_block(long long* ticket, int* s_flag) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
         unsigned long long t = atomicAdd(reinterpret_cast<unsigned long long*>(ticket), 1ULL);
         *s_flag = (t == gridDim.x - 1);
     }
@@ -190,43 +208,76 @@ __device__ __forceinline__ bool is_last_block(long long* ticket, int* s_flag) {
     return *s_flag != 0;
 }
 
+// Page index of this block's first unit (block b starts with unit b; NOTE [dynamic units]).
+template <typename V>
+__device__ __forceinline__ int first_unit_page(long long page_bytes) {
+    constexpr long long chunk = static_cast<long long>(GS_THREADS) * GS_UNROLL * sizeof(V);
+    return static_cast<int>(blockIdx.x / ((page_bytes + chunk - 1) / chunk));
+}
+
 // NOTE [dynamic units]: the live rows are cut into units that never cross a page: unit u is
 // chunk (u % units_per_page) of page (u / units_per_page), one chunk being GS_THREADS*GS_UNROLL
-// vectors. Blocks of the persistent grid take units from an atomic counter, so fast
-// multiprocessors take more of them and no block is left finishing a fixed share alone. The
-// next unit is claimed while the current unit's loads are in flight (double-buffered in
-// shared memory), so the atomic's latency hides behind them.
-template <typename V, typename Locate>
+// vectors. Block b starts with unit b; later units come from an atomic counter, so fast
+// multiprocessors take more of them and no block is left finishing a fixed share alone.
+// Thread 0 claims the next unit *and* looks up its page id while the current unit's loads are
+// in flight (double-buffered in shared memory), so neither the atomic nor the page-table load
+// sits between two units' copies.
+template <bool kSrcIsPage, typename V, typename Lookup, typename Commit, typename TensorAt>
 __device__ __forceinline__ void for_each_unit(const SegmentTable& t, int S, long long row_bytes,
                                               int page_rows, long long page_bytes,
-                                              unsigned long long* work, Locate locate) {
-    constexpr long long chunk = static_cast<long long>(GS_THREADS) * GS_UNROLL * sizeof(V);
-    __shared__ long long s_unit[2];
-    const long long units_per_page = (page_bytes + chunk - 1) / chunk;
-    const long long total_units = static_cast<long long>(t.pages[S]) * units_per_page;
-    if (threadIdx.x == 0) s_unit[0] = static_cast<long long>(atomicAdd(work, 1ULL));
+                                              unsigned char* dev_pages, unsigned char* host_pages,
+                                              int num_dev, unsigned long long* work,
+                                              int first_page_id, Lookup lookup, Commit commit,
+                                              TensorAt tensor_at) {
+    constexpr int chunk = GS_THREADS * GS_UNROLL * static_cast<int>(sizeof(V));
+    __shared__ int s_unit[2], s_page[2];
+    const int units_per_page = static_cast<int>((page_bytes + chunk - 1) / chunk);
+    const int total_units = t.pages[S] * units_per_page;
+    // Thread 0 publishes the next unit; when the pages are the source (reload) it also looks
+    // up that unit's page id and does the page's one-time side effect (commit) ahead of time.
+    auto prepare = [&](int u, int slot, bool first) {
+        s_unit[slot] = u;
+        if (kSrcIsPage && u < total_units) {
+            const int g = u / units_per_page;
+            const int page_id = first ? first_page_id : lookup(g);
+            s_page[slot] = page_id;
+            if (u == g * units_per_page) commit(g, page_id);
+        }
+    };
+    if (threadIdx.x == 0) prepare(static_cast<int>(blockIdx.x), 0, true);
     __syncthreads();
     for (int parity = 0;; parity ^= 1) {
-        const long long u = s_unit[parity];
+        const int u = s_unit[parity];
         if (u >= total_units) break;
-        const int g = static_cast<int>(u / units_per_page);
-        const long long off = (u - g * units_per_page) * chunk;
+        const int g = u / units_per_page;
+        const int c = u - g * units_per_page;
+        const long long off = static_cast<long long>(c) * chunk;
         const int s = S == 1 ? 0 : find_segment(S, g, [&](int k) { return static_cast<long long>(t.pages[k]); });
         const int lp = g - t.pages[s];
         const long long bytes = min(page_rows, t.count[s] - lp * page_rows) * row_bytes;
-        const unsigned char* from;
-        unsigned char* to;
-        locate(s, g, lp, off, &from, &to);
-        const int n_vec = off < bytes ? static_cast<int>(min(chunk, bytes - off) / static_cast<long long>(sizeof(V))) : 0;
+        const int n_vec = off < bytes ? static_cast<int>(min(static_cast<long long>(chunk), bytes - off) / static_cast<long long>(sizeof(V))) : 0;
+        unsigned char* tensor = tensor_at(s, lp, off);
+        int page_id = kSrcIsPage ? s_page[parity] : 0;
+        const V* src = reinterpret_cast<const V*>(
+            kSrcIsPage ? page_address(dev_pages, host_pages, num_dev, page_bytes, page_id) + off : tensor);
         V r[GS_UNROLL];
-        const V* src = reinterpret_cast<const V*>(from);
-        V* dst = reinterpret_cast<V*>(to);
         #pragma unroll
         for (int k = 0; k < GS_UNROLL; ++k) {
             const int i = threadIdx.x + k * GS_THREADS;
             if (i < n_vec) r[k] = load_vec(src + i);
         }
-        if (threadIdx.x == 0) s_unit[parity ^ 1] = static_cast<long long>(atomicAdd(work, 1ULL));
+        if (!kSrcIsPage) {   // stash: the destination page is looked up while the loads fly
+            page_id = lookup(g);
+            if (c == 0 && threadIdx.x == 0) commit(g, page_id);
+        }
+        V* dst = reinterpret_cast<V*>(
+            kSrcIsPage ? tensor : page_address(dev_pages, host_pages, num_dev, page_bytes, page_id) + off);
+        // With no more units than blocks every unit was handed out statically: no atomic.
+        if (threadIdx.x == 0)
+            prepare(total_units <= static_cast<int>(gridDim.x)
+                        ? total_units
+                        : static_cast<int>(gridDim.x + atomicAdd(work, 1ULL)),
+                    parity ^ 1, false);
         #pragma unroll
         for (int k = 0; k < GS_UNROLL; ++k) {
             const int i = threadIdx.x + k * GS_THREADS;
@@ -252,29 +303,35 @@ __device__ void stash_impl(const unsigned char* __restrict__ src, long long seg_
                            int num_host, const int* __restrict__ dev_ring,
                            const int* __restrict__ host_ring, long long* state, int* status,
                            int* rec) {
-    __shared__ SegmentTable t;
+    const SegmentTable t = segment_table(S);
     __shared__ int s_last;
-    // ring counters first: their loads overlap the count load and the scan
+    // Every state word this launch reads is loaded up front: the loads overlap the count load
+    // and the scan, and the last block's bookkeeping needs no load of its own.
     const long long dev_head = state[GS_ST_DEV_HEAD], dev_tail = state[GS_ST_DEV_TAIL];
     const long long host_head = state[GS_ST_HOST_HEAD], host_tail = state[GS_ST_HOST_TAIL];
+    const long long dev_peak = state[GS_ST_DEV_PEAK], host_peak = state[GS_ST_HOST_PEAK];
+    const long long demand0 = state[GS_ST_DEMAND], demand_peak = state[GS_ST_DEMAND_PEAK];
+    const long long tokens_peak = state[GS_ST_TOKENS_PEAK];
+    const int dev_free = static_cast<int>(dev_tail - dev_head);
+    // Device or host page depends only on g < free device pages (NOTE [page order]).
+    auto lookup = [&](int g) {
+        return g < dev_free ? dev_ring[(dev_head + g) % num_dev]
+                            : host_ring[(host_head + (g - dev_free)) % num_host];
+    };
     const bool bad = build_segments(t, counts, counts_is64, S, cap, page_rows);
     const int total = t.pages[S];
-    const int dev_free = static_cast<int>(dev_tail - dev_head);
     const int host_free = static_cast<int>(host_tail - host_head);
     const int dev_take = bad ? 0 : min(total, dev_free);
     const int host_take = bad ? 0 : total - dev_take;
     const bool stored = !bad && host_take <= host_free;
 
     if (stored) {
-        for_each_unit<V>(t, S, row_bytes, page_rows, page_bytes,
-            reinterpret_cast<unsigned long long*>(&state[GS_ST_STASH_WORK]),
-            [&](int s, int g, int lp, long long off, const unsigned char** from, unsigned char** to) {
-                const int page_id = g < dev_take
-                    ? dev_ring[(dev_head + g) % num_dev]
-                    : host_ring[(host_head + (g - dev_take)) % num_host];
-                if (off == 0 && threadIdx.x == 0) rec[GS_H_HEADER + S + g] = page_id;
-                *from = src + s * seg_stride + static_cast<long long>(lp) * page_rows * row_bytes + off;
-                *to = page_address(dev_pages, host_pages, num_dev, page_bytes, page_id) + off;
+        for_each_unit<false, V>(t, S, row_bytes, page_rows, page_bytes, dev_pages, host_pages,
+            num_dev, reinterpret_cast<unsigned long long*>(&state[GS_ST_STASH_WORK]), 0, lookup,
+            [&](int g, int page_id) { rec[GS_H_HEADER + S + g] = page_id; },
+            [&](int s, int lp, long long off) {
+                return const_cast<unsigned char*>(src) + s * seg_stride +
+                       static_cast<long long>(lp) * page_rows * row_bytes + off;
             });
     }
 
@@ -291,18 +348,18 @@ __device__ void stash_impl(const unsigned char* __restrict__ src, long long seg_
             state[GS_ST_HOST_HEAD] = new_host_head;
             const long long dev_used = num_dev - (dev_tail - new_dev_head);
             const long long host_used = num_host - (host_tail - new_host_head);
-            if (dev_used > state[GS_ST_DEV_PEAK]) state[GS_ST_DEV_PEAK] = dev_used;
-            if (host_used > state[GS_ST_HOST_PEAK]) state[GS_ST_HOST_PEAK] = host_used;
+            if (dev_used > dev_peak) state[GS_ST_DEV_PEAK] = dev_used;
+            if (host_used > host_peak) state[GS_ST_HOST_PEAK] = host_used;
             if (host_take > 0) atomicOr(&status[GS_SS_HOST_SPILL], 1);
         } else {
             atomicOr(&status[GS_SS_OVERFLOW], bad ? GS_OVERFLOW_COUNT : GS_OVERFLOW_POOL);
         }
         if (!bad) {
-            const long long demand = state[GS_ST_DEMAND] + total;
+            const long long demand = demand0 + total;
             state[GS_ST_DEMAND] = demand;
-            if (demand > state[GS_ST_DEMAND_PEAK]) state[GS_ST_DEMAND_PEAK] = demand;
+            if (demand > demand_peak) state[GS_ST_DEMAND_PEAK] = demand;
             const long long rows = t.rows[S];
-            if (rows > state[GS_ST_TOKENS_PEAK]) state[GS_ST_TOKENS_PEAK] = rows;
+            if (rows > tokens_peak) state[GS_ST_TOKENS_PEAK] = rows;
             atomicMax(&status[GS_SS_TOKENS_PEAK], static_cast<int>(min(rows, 0x7fffffffLL)));
         }
         state[GS_ST_STASH_TICKET] = 0;
@@ -326,27 +383,30 @@ __device__ void reload_impl(unsigned char* __restrict__ dst, long long seg_strid
                             const unsigned char* host_pages, int num_dev, int num_host,
                             int* dev_ring, int* host_ring, long long* state, int* rec,
                             int zero_tail) {
-    __shared__ SegmentTable t;
+    const SegmentTable t = segment_table(S);
     __shared__ int s_last;
     const int valid = rec[GS_H_VALID];
     const int dev_pages_n = rec[GS_H_DEV_PAGES];
     const int host_pages_n = rec[GS_H_HOST_PAGES];
     const long long dev_tail = state[GS_ST_DEV_TAIL], host_tail = state[GS_ST_HOST_TAIL];
+    const long long demand0 = state[GS_ST_DEMAND];
+    const int pages_asked = rec[GS_H_PAGES];
+    const int max_pages = S * ((cap + page_rows - 1) / page_rows);
+    auto lookup = [&](int g) { return rec[GS_H_HEADER + S + g]; };
+    int first_page_id = 0;
+    const int g0 = first_unit_page<V>(page_bytes);
+    if (threadIdx.x == 0 && g0 < max_pages) first_page_id = lookup(g0);   // overlaps the scan
     build_segments(t, rec + GS_H_COUNTS, 0, S, cap, page_rows);
-
     if (valid == 1) {
-        for_each_unit<V>(t, S, row_bytes, page_rows, page_bytes,
-            reinterpret_cast<unsigned long long*>(&state[GS_ST_RELOAD_WORK]),
-            [&](int s, int g, int lp, long long off, const unsigned char** from, unsigned char** to) {
-                const int page_id = rec[GS_H_HEADER + S + g];
-                if (off == 0 && threadIdx.x == 0) {
-                    if (g < dev_pages_n) dev_ring[(dev_tail + g) % num_dev] = page_id;
-                    else host_ring[(host_tail + (g - dev_pages_n)) % num_host] = page_id;
-                }
-                *from = page_address(const_cast<unsigned char*>(dev_pages),
-                                     const_cast<unsigned char*>(host_pages), num_dev, page_bytes,
-                                     page_id) + off;
-                *to = dst + s * seg_stride + static_cast<long long>(lp) * page_rows * row_bytes + off;
+        for_each_unit<true, V>(t, S, row_bytes, page_rows, page_bytes,
+            const_cast<unsigned char*>(dev_pages), const_cast<unsigned char*>(host_pages), num_dev,
+            reinterpret_cast<unsigned long long*>(&state[GS_ST_RELOAD_WORK]), first_page_id, lookup,
+            [&](int g, int page_id) {
+                if (g < dev_pages_n) dev_ring[(dev_tail + g) % num_dev] = page_id;
+                else host_ring[(host_tail + (g - dev_pages_n)) % num_host] = page_id;
+            },
+            [&](int s, int lp, long long off) {
+                return dst + s * seg_stride + static_cast<long long>(lp) * page_rows * row_bytes + off;
             });
         if (zero_tail) {
             // The dead rows, segment after segment: dead(s) rows lie before segment s.
@@ -370,7 +430,7 @@ __device__ void reload_impl(unsigned char* __restrict__ dst, long long seg_strid
             state[GS_ST_DEV_TAIL] = dev_tail + dev_pages_n;
             state[GS_ST_HOST_TAIL] = host_tail + host_pages_n;
         }
-        if (valid >= 0) state[GS_ST_DEMAND] -= rec[GS_H_PAGES];
+        if (valid >= 0) state[GS_ST_DEMAND] = demand0 - pages_asked;
         rec[GS_H_VALID] = -1;
         state[GS_ST_RELOAD_TICKET] = 0;
         state[GS_ST_RELOAD_WORK] = 0;

@@ -125,16 +125,16 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-_resident: dict[tuple[int, str, str], int] = {}
+_resident: dict[tuple[int, str, str, int], int] = {}
 
 
-def resident_blocks(device_index: int, module_name: str, kernel: str) -> int:
+def resident_blocks(device_index: int, module_name: str, kernel: str, shared_mem: int = 0) -> int:
     """Blocks of ``kernel`` that fit on the whole device at once (its persistent grid size).
 
-    From the kernel's registers and static shared memory and the device's per-multiprocessor
-    limits; cached per (device, kernel).
+    From the kernel's registers, its static plus ``shared_mem`` dynamic shared memory and the
+    device's per-multiprocessor limits; cached per (device, kernel, shared_mem).
     """
-    key = (device_index, module_name, kernel)
+    key = (device_index, module_name, kernel, shared_mem)
     blocks = _resident.get(key)
     if blocks is None:
         func = _function(device_index, module_name, kernel)
@@ -144,7 +144,7 @@ def resident_blocks(device_index: int, module_name: str, kernel: str) -> int:
         smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
         regs_per_warp = -(-func.num_regs * 32 // 256) * 256        # allocated per warp, in 256s
         by_regs = regs_per_sm // max(1, regs_per_warp * (THREADS // 32))
-        by_smem = smem_per_sm // (func.shared_size_bytes + 1024)   # 1 KiB reserved per block
+        by_smem = smem_per_sm // (func.shared_size_bytes + shared_mem + 1024)  # 1 KiB reserved
         by_threads = threads_per_sm // THREADS
         per_sm = max(1, min(by_regs, by_smem, by_threads, BLOCKS_PER_SM))
         blocks = per_sm * _sm_count(device_index)
@@ -170,13 +170,15 @@ def ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
-def launch(module_name: str, kernel: str, items: int, device_index: int, args: tuple) -> None:
+def launch(module_name: str, kernel: str, items: int, device_index: int, args: tuple,
+           shared_mem: int = 0) -> None:
     """Launch ``kernel`` on torch's current stream: a persistent grid of the blocks that fit on
     the device at once, but no more than ``items`` (units of work the launch may find)."""
     func = _function(device_index, module_name, kernel)
-    grid = (max(1, min(items, resident_blocks(device_index, module_name, kernel))), 1, 1)
+    blocks = resident_blocks(device_index, module_name, kernel, shared_mem)
+    grid = (max(1, min(items, blocks)), 1, 1)
     with _cupy_stream(device_index):
-        func(grid, (THREADS, 1, 1), args)
+        func(grid, (THREADS, 1, 1), args, shared_mem=shared_mem)
 
 
 def register_source(module_name: str, source: str, kernels: tuple[str, ...]) -> None:

@@ -11,8 +11,13 @@ register_source("paged_stash", "paged_stash.cu",
 
 
 def _chunks(max_bytes: int, width: int) -> int:
-    """Blocks worth launching for at most ``max_bytes`` of rows (NOTE [balanced split])."""
+    """Blocks worth launching for at most ``max_bytes`` of rows (NOTE [dynamic units])."""
     return -(-max_bytes // chunk_bytes(width))
+
+
+def _segment_smem(S: int) -> int:
+    """Dynamic shared memory of the segment table for S segments (SegmentTable in the .cu)."""
+    return (S + 1) * 8 + (S + 1) * 4 + S * 4
 
 
 def _pool_args(pool):
@@ -31,7 +36,7 @@ def paged_stash(pool, src: torch.Tensor, counts: torch.Tensor, rec_offset: int) 
             np.int64(pool.page_bytes), *_pool_args(pool), ptr(pool.dev_ring),
             ptr(pool.host_ring), ptr(pool.state), ptr(pool.status), rec_ptr)
     launch("paged_stash", f"gs_stash_v{width}", _chunks(S * cap * row_bytes, width),
-           src.device.index, args)
+           src.device.index, args, shared_mem=_segment_smem(S))
 
 
 def paged_reload(pool, dst: torch.Tensor, rec_offset: int, zero_tail: bool) -> None:
@@ -45,5 +50,5 @@ def paged_reload(pool, dst: torch.Tensor, rec_offset: int, zero_tail: bool) -> N
             ptr(pool.dev_ring), ptr(pool.host_ring), ptr(pool.state), rec_ptr,
             np.int32(bool(zero_tail)))
     launch("paged_stash", f"gs_reload_v{width}", _chunks(S * cap * row_bytes, width),
-           dst.device.index, args)
+           dst.device.index, args, shared_mem=_segment_smem(S))
 

@@ -47,6 +47,7 @@ def _measure(tier: str, dtype: torch.dtype, hidden: int, rows: int, live: float)
     g_base, g_ours = capture(baseline), capture(ours)
     t_base = time_replays(g_base) / iters
     t_ours = time_replays(g_ours) / iters
+    directions = _per_direction(buf, x, counts, out, staging, live_elems) if tier == "host" else {}
     ok = torch.equal(out[:n].view(torch.uint8), x[:n].view(torch.uint8))
     if not ok:
         raise AssertionError(f"reloaded rows differ ({tier}, {dtype}, {hidden}, {rows}, {live})")
@@ -56,7 +57,33 @@ def _measure(tier: str, dtype: torch.dtype, hidden: int, rows: int, live: float)
             "rows": rows, "live": live, "live_mib": live_elems * x.element_size() / 2**20,
             "torch_ms": t_base, "graphstash_ms": t_ours,
             "torch_gbs": moved / t_base / 1e6, "graphstash_gbs": moved / t_ours / 1e6,
-            "ratio": t_base / t_ours}
+            "ratio": t_base / t_ours, **directions}
+
+
+def _event_ms(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _per_direction(buf, x, counts, out, staging, live_elems) -> dict:
+    """Device time of one stash and of one reload, and of torch's pinned copy each way."""
+    flat_x, flat_out = x.view(-1), out.view(-1)
+    t_stash, t_reload = [], []
+    for _ in range(5):   # alternate: the host tier holds one such tensor
+        handles = []
+        t_stash.append(_event_ms(lambda: handles.append(buf.stash(x, counts)), repeats=1))
+        t_reload.append(_event_ms(lambda: buf.reload(handles.pop(), out=out), repeats=1))
+    t_stash, t_reload = sorted(t_stash)[2], sorted(t_reload)[2]
+    t_d2h = _event_ms(lambda: staging[:live_elems].copy_(flat_x[:live_elems], non_blocking=True))
+    t_h2d = _event_ms(lambda: flat_out[:live_elems].copy_(staging[:live_elems], non_blocking=True))
+    return {"stash_ratio": t_d2h / t_stash, "reload_ratio": t_h2d / t_reload}
 
 
 def _host_time_per_call(calls: int = 300) -> dict:
@@ -91,7 +118,8 @@ def run(quick: bool = False) -> dict:
     from .. import warmup
 
     warmup()
-    headline = [("device", torch.bfloat16, 4096, 16384, 0.7), ("host", torch.bfloat16, 4096, 16384, 0.7)]
+    headline = [("device", torch.bfloat16, 4096, 16384, 0.7), ("host", torch.bfloat16, 4096, 16384, 0.7),
+                ("device", torch.bfloat16, 4096, 16384, 0.0)]    # one live row: fixed cost
     configs = list(headline)
     if not quick:
         for dtype, hidden, rows, live in itertools.product(
@@ -118,6 +146,10 @@ def run(quick: bool = False) -> dict:
           f"{_kernels.resident_blocks(dev, 'paged_stash', 'gs_reload_v16')} (reload)")
     print_table(f"stash + reload vs torch copy of the same live bytes on {gpu_name()} "
                 f"(ratio = torch time / graphstash time)", cols, rows)
+    for r in results:
+        if "stash_ratio" in r:
+            print(f"host tier {r['dtype']} {r['hidden']}x{r['rows']} live {r['live']}: stash/D2H "
+                  f"ratio {r['stash_ratio']:.3f}, reload/H2D ratio {r['reload_ratio']:.3f}")
     print(f"\nhost time per eager call: stash {host['stash_us']:.1f} us, reload "
           f"{host['reload_us']:.1f} us (torch slice copy_: {host['torch_copy_us']:.1f} us)")
     return {"gpu": gpu_name(), "results": results, "host_time": host}
