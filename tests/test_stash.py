@@ -407,3 +407,28 @@ def test_capture_error_is_raised_before_anything_breaks(monkeypatch, gen):
     with pytest.raises(CaptureError, match="created while a CUDA graph is capturing"):
         with stash_activations(torch.tensor([3]), manager=manager2):
             x.exp()
+
+
+def test_kept_tensors_are_freed_without_the_cycle_collector(gen):
+    """NOTE [entry cycle]: after backward no Group (and so no kept tensor) waits for gc."""
+    import gc
+
+    from graphstash.stash._group import Group
+
+    model = _model(gen)
+    manager = StashManager(StashConfig(min_tensor_bytes=0), device="cpu")
+    inputs = make_inputs(1, B, H, generator=gen)
+    counts = _counts(gen, 1)
+    order = one_f_one_b(1, 1)
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(3):      # warmup (everything kept), then stashed with the last group kept
+            _run(model, inputs, counts, order, 1, manager)
+        alive = [o for o in gc.get_objects() if type(o) is Group and o.manager is manager]
+    finally:
+        if enabled:
+            gc.enable()
+    assert manager.buffers and manager.schedule
+    assert alive == [], f"{len(alive)} groups are only reachable through reference cycles"

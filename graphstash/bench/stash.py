@@ -11,9 +11,9 @@ The model and the schedule runner are also what ``tests/test_stash*.py`` use.
 """
 from __future__ import annotations
 
+import gc
 import math
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -66,13 +66,15 @@ class ExpertStack(torch.nn.Module):
         device tensor of live rows of layer ``l``; stash through ``manager`` if given."""
         for l in (range(self.num_layers) if layers is None else layers):
             timing = self.compute_events is not None and x.is_cuda
-            if timing:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record()
+            start = torch.cuda.Event(enable_timing=True) if timing else None
             if manager is not None:
                 with stash_activations(counts[l], manager=manager, name=f"layer{l}"):
+                    if timing:          # after the entry's wait for the previous stash
+                        start.record()
                     y = self.expert(l, x)
             else:
+                if timing:
+                    start.record()
                 y = self.expert(l, x)
             if timing:
                 end = torch.cuda.Event(enable_timing=True)
@@ -168,24 +170,54 @@ def _step(model, x, counts, manager=None):
     return loss
 
 
-def _peak(fn) -> int:
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
+def _peak(fn, device) -> tuple[int, int]:
+    """Peak and left-over allocated bytes of ``fn()`` above the allocation just before it.
+
+    NOTE [measuring peaks]: garbage from earlier code (reference cycles holding CUDA tensors)
+    is collected first and the cyclic collector is off while ``fn`` runs, so nothing is freed
+    between reading the baseline and resetting the peak, or in the middle of ``fn``. The
+    baseline is read *after* the reset, so ``peak >= baseline`` always holds and a negative
+    value can only mean a bug here. Memory allocated before (the stash pool) is not in the
+    returned peak; callers add it.
+    """
+    gc.collect()
+    torch.cuda.synchronize(device)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        after = torch.cuda.memory_allocated(device)
+    finally:
+        if enabled:
+            gc.enable()
+    return peak - before, after - before
 
 
-def _time(fn, iters: int) -> float:
-    fn()
+def _mallocs(device) -> int:
+    """cudaMalloc calls of the caching allocator so far (segments ever allocated)."""
+    return torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
+
+
+def _time(fn, iters: int, warmup: int = 3, inner: int = 3) -> float:
+    """Median milliseconds per call of ``fn`` in a steady state: ``warmup`` calls first, then
+    ``iters`` samples of ``inner`` back-to-back calls between CUDA events (no sync inside a
+    sample, so host overhead shows only where it exceeds the GPU time)."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     samples = []
     for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e3)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / inner)
     return statistics.median(samples)
 
 
@@ -196,10 +228,64 @@ def _graphed(fn):
         for _ in range(2):
             fn()
     torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    torch.cuda.synchronize()
     return graph
+
+
+def _time_replays(graph, iters: int) -> float:
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def _kernel_overlap(fn) -> tuple[float, float] | None:
+    """``(overlap, copy_ms)`` from a CUDA kernel trace of ``fn()``: the share of the stash and
+    reload kernels' time (``gs_stash*``, ``gs_reload*``) during which some other kernel (the
+    compute stream's) was running. None if the profiler recorded no copy kernels."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.unlink(path)
+    events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    copies, computes = [], []
+    for ev in events:
+        if ev.get("ph") != "X" or ev.get("cat") != "kernel":
+            continue
+        s, e = float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0))
+        name = ev.get("name", "")
+        if name.startswith(("gs_stash", "gs_reload")):
+            copies.append((name, s, e))
+        else:
+            computes.append((s, e))
+    if not copies:
+        return None
+    return _overlap(copies, computes), sum(e - s for _, s, e in copies) / 1e3
 
 
 def _overlap(copies, computes) -> float:
@@ -219,7 +305,14 @@ def _overlap(copies, computes) -> float:
     return covered / total
 
 
-def _config_run(name, layers, budget, hidden, ffn, iters, graphs, device):
+def _pool_state(manager) -> dict:
+    """``{key: (buffer id, device page address, device bytes)}`` of the manager's buffers."""
+    return {k: (id(b), b._pool.dev_pages.data_ptr(), b.device_bytes)
+            for k, b in manager.buffers.items() if not b.released}
+
+
+def _config_run(name, layers, budget, hidden, ffn, iters, graphs, device, *,
+                profile_overlap: bool = True):
     import graphstash
 
     gen = torch.Generator().manual_seed(0)
@@ -229,23 +322,57 @@ def _config_run(name, layers, budget, hidden, ffn, iters, graphs, device):
     counts = [torch.tensor([live], dtype=torch.int32, device=device) for _ in range(layers)]
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
+    graphstash.warmup()
     manager = StashManager(StashConfig(), device=device)
-    for _ in range(2):                       # warmup: demand measured, then buffers sized
+    # Warmup sizing (NOTE [warmup sizing] in graphstash/stash/manager.py): the first step
+    # measures demand on the host, the buffers are sized from it, and further steps run the
+    # steady state (schedule recorded, buffers fixed) that everything below measures.
+    for _ in range(2):
         _step(model, x, counts, manager)
     manager.size_from_demand()
-    graphstash.warmup()
-    pool = sum(b.device_bytes for b in manager.buffers.values())
+    for _ in range(2):
+        _step(model, x, counts, manager)
+    pools = _pool_state(manager)
+    pool = sum(b for _, _, b in pools.values())
     res = {"layers": layers, "budget": budget, "live": live, "hidden": hidden, "ffn": ffn,
-           "pool_bytes": pool}
-    res["peak_plain"] = _peak(lambda: _step(model, x, counts))
-    res["peak_stash"] = _peak(lambda: _step(model, x, counts, manager)) + pool
-    res["peak_exact"] = _peak(lambda: model.forward_exact(x, [live] * layers).float().square()
-                              .mean().backward())
+           "pool_bytes": pool,
+           # bytes the pool must hold: the live rows of every group but the last (kept)
+           "stashed_bytes": (layers - 1) * live * (hidden + 2 * ffn) * 2}
+    # ---- memory: peak above the allocation before the step (NOTE [measuring peaks]) -------
+    res["peak_plain"], res["left_plain"] = _peak(lambda: _step(model, x, counts), device)
+    peak, res["left_stash"] = _peak(lambda: _step(model, x, counts, manager), device)
+    if _pool_state(manager) != pools:
+        raise AssertionError("the stash pool was (re)allocated during a steady-state step")
+    res["peak_stash_above_pool"] = peak
+    res["peak_stash"] = peak + pool        # the pool was allocated before the baseline
+    res["peak_exact"], _ = _peak(lambda: model.forward_exact(x, [live] * layers).float()
+                                 .square().mean().backward(), device)
+    # ---- host syncs and allocations in the steady state ------------------------------------
+    torch.cuda.synchronize()
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _step(model, x, counts, manager)
+        res["steady_state_sync"] = None
+    except RuntimeError as exc:
+        res["steady_state_sync"] = str(exc).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+    # ---- step time, steady state -----------------------------------------------------------
     res["time_plain_ms"] = _time(lambda: _step(model, x, counts), iters)
+    for _ in range(2):
+        _step(model, x, counts, manager)
+    torch.cuda.synchronize()
+    mallocs = _mallocs(device)
     res["time_stash_ms"] = _time(lambda: _step(model, x, counts, manager), iters)
+    res["mallocs_in_timed_stash_steps"] = _mallocs(device) - mallocs
+    if _pool_state(manager) != pools:
+        raise AssertionError("the stash pool was (re)allocated during the timed steps")
     res["time_exact_ms"] = _time(lambda: model.forward_exact(x, [live] * layers).float()
                                  .square().mean().backward(), iters)
-    # overlap evidence: copy intervals (side streams) against expert compute intervals
+    # ---- overlap evidence --------------------------------------------------------------------
+    # Event intervals: copies on the side streams against expert compute (forward, timed from
+    # after the group's entry, so a wait for the previous stash is not counted as compute).
     manager._start_timeline()
     model.compute_events = []
     base = torch.cuda.Event(enable_timing=True)
@@ -257,14 +384,27 @@ def _config_run(name, layers, budget, hidden, ffn, iters, graphs, device):
     manager._timeline = None
     res["copies"] = [(k, g, round(s, 3), round(e, 3)) for k, g, _, s, e in copies]
     res["copy_ms"] = sum(e - s for _, _, _, s, e in copies)
-    res["copy_overlap"] = _overlap([(k, s, e) for k, _, _, s, e in copies], computes)
+    res["copy_overlap_events"] = _overlap([(k, s, e) for k, _, _, s, e in copies], computes)
+    res["copy_overlap"], res["overlap_method"] = res["copy_overlap_events"], "events"
+    # Kernel trace: copy kernels against every other kernel, forward and backward.
+    if profile_overlap:
+        try:
+            traced = _kernel_overlap(lambda: _step(model, x, counts, manager))
+        except Exception as exc:          # no CUPTI: keep the event-based number
+            res["overlap_trace_error"] = f"{type(exc).__name__}: {exc}"
+            traced = None
+        if traced is not None:
+            res["copy_overlap"], res["copy_kernel_ms"] = traced
+            res["overlap_method"] = "kernel trace"
+    # ---- CUDA graphs -----------------------------------------------------------------------
     if graphs:
         try:
             g_plain = _graphed(lambda: _step(model, x, counts))
-            res["graph_plain_ms"] = _time(g_plain.replay, iters)
+            res["graph_plain_ms"] = _time_replays(g_plain, iters)
             del g_plain
+            manager.clear_status()
             g_stash = _graphed(lambda: _step(model, x, counts, manager))
-            res["graph_stash_ms"] = _time(g_stash.replay, iters)
+            res["graph_stash_ms"] = _time_replays(g_stash, iters)
             del g_stash
             res["status_after"] = {k: v for k, v in manager.read_status().items()
                                    if k in ("overflow", "host_spill")}
@@ -303,8 +443,11 @@ def run(quick: bool = False) -> dict:
               f"{r['time_stash_ms'] / r['time_plain_ms']:>6.3f} {r['time_exact_ms']:>8.2f} | "
               f"{(f'{gp:.2f}' if gp else '-'):>11} {(f'{gs:.2f}' if gs else '-'):>8} | "
               f"{r['copy_ms']:>7.2f} {r['copy_overlap']:>7.1%}")
+        if r.get("steady_state_sync"):
+            print(f"  host sync in a steady-state stash step: {r['steady_state_sync']}")
         if "graph_error" in r:
             print(f"  graph capture failed: {r['graph_error']}")
     print("peak: max allocated during one fwd+bwd above the memory before it (stash: plus its "
-          "pool); overlap: share of stash/reload copy time inside an expert-compute interval")
+          "pool); overlap: share of stash/reload kernel time beside another kernel (kernel "
+          "trace; else beside a forward expert-compute interval)")
     return results

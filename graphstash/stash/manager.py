@@ -40,6 +40,14 @@ Inf) out of reductions such as weight gradients, ``0 * x`` being exactly 0 for f
 A stash that overflowed stores nothing and its reload writes nothing: the step is untrusted
 (the status says so), the free lists stay consistent, and no other tensor is written.
 
+NOTE [entry cycle]: an ``Entry`` points to its ``Group`` (the unpack hook needs the group's
+state) and ``Group.entries`` points back, so the two form a reference cycle. Kept tensors
+(warmup steps, the last group, groups without candidates) live in such entries; if the cycle
+outlived the backward they would stay allocated until Python's cyclic collector happened to
+run, at an arbitrary point of a later step. ``Group.entries`` is therefore only set while the
+manager needs it (from the pack hook until the group's stash is issued and its reload
+completed); once it is ``None`` the entries die with autograd's references to them.
+
 NOTE [capture]: stash, reload, reset and the stream forks and joins are all captured; the
 side streams are forked from the compute stream (``wait_stream``) before every use and joined
 back at schedule points and in ``end_step()``, which must run before a capture ends. Events
@@ -490,19 +498,23 @@ class StashManager:
         group.dedup = None
         entries = group.entries
         if not entries:
+            group.entries = None
             return
         group.tracked = True
         group.remaining = len(entries)
         if not ok:
+            group.entries = None         # NOTE [entry cycle]
             return                       # the forward raised: keep everything, stash nothing
         self._classify(group)
         index = self._schedule.add(("F", group.gid, group.name))
         group.f_index = index
         following = self._schedule.next_after(index)
         if following == ("B", group.gid, group.name):
-            return                       # NOTE [last group kept]
+            group.entries = None         # NOTE [last group kept], NOTE [entry cycle]
+            return
         candidates = [e for e in entries if e.layout is not None]
         if not candidates:
+            group.entries = None         # NOTE [entry cycle]
             return
         to_stash = []
         for e in candidates:
@@ -522,6 +534,8 @@ class StashManager:
                 self._note_demand(group, e)
         if to_stash:
             self._stash(group, to_stash)
+        else:
+            group.entries = None         # NOTE [entry cycle]
         if following is not None and following[0] == "B":
             self._prefetch(following)
 
