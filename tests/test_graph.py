@@ -165,6 +165,100 @@ def test_cpu_fallback_warns_once_and_counts(gen):
                                  "captures", "capture_ms", "peak_memory_bytes", "stash_pages_peak"}
 
 
+def test_microbatches_accumulate_and_update_once(gen):
+    """Gradient accumulation over microbatches: one update per step, after the last one."""
+    model, opt, ref, ref_opt = _make_pair(OPTIMIZERS["adam_foreach"], dropout=0.1)
+    steps = [[tuple(torch.randn(8, 16, generator=gen) for _ in range(2)) for _ in range(4)]
+             for _ in range(6)]
+
+    @graph_step(optimizer=opt, warmup=1, device="cpu")
+    def train_step(micro):
+        total = 0.0
+        for x, y in micro:
+            loss = torch.nn.functional.mse_loss(model(x), y) / len(micro)
+            loss.backward()
+            total = total + loss.detach()
+        return total
+
+    torch.manual_seed(1)
+    with pytest.warns(RuntimeWarning):
+        losses = [train_step(micro) for micro in steps]
+    torch.manual_seed(1)
+    for i, micro in enumerate(steps):
+        ref_opt.zero_grad()
+        total = 0.0
+        for x, y in micro:
+            loss = torch.nn.functional.mse_loss(ref(x), y) / len(micro)
+            loss.backward()
+            total = total + loss.detach()
+        ref_opt.step()
+        assert torch.equal(losses[i], total), f"step {i}"
+    _assert_same_state(opt, ref_opt, model, ref)
+    assert int(opt.state[next(model.parameters())]["step"]) == len(steps)
+
+
+def _stash_step(stash, model, tokens, config, *, per_layer):
+    """A step whose layers run inside stash groups: one per layer, or one around them all."""
+
+    def step(x, y):
+        h = x
+        if per_layer:
+            for i, layer in enumerate(model.layers):
+                with stash.stash_activations(tokens, name=f"layer{i}"):
+                    h = model.dropout(torch.relu(layer(h)))
+        else:
+            with stash.stash_activations(tokens, name="all"):
+                h = model(h)
+        loss = torch.nn.functional.mse_loss(h, y)
+        loss.backward()
+        return loss
+
+    return GraphStep(step, optimizer=model.opt, warmup=1, device="cpu", stash=config)
+
+
+def test_stash_overflow_reruns_grows_budget_and_matches_eager(gen):
+    """A tiny stash budget overflows; each flagged step reruns dropless and updates once."""
+    stash = pytest.importorskip("graphstash.stash")
+    model, opt, ref, ref_opt = _make_pair(OPTIMIZERS["adamw"])
+    model.opt = opt
+    xs, ys, _ = _data(gen, 10, batch=256)
+    tokens = torch.tensor([256], dtype=torch.int32)
+    config = stash.StashConfig(page_size=32, device_factor=0.2, host_tier=False,
+                               min_tensor_bytes=0, backend="reference")
+    train_step = _stash_step(stash, model, tokens, config, per_layer=True)
+    with pytest.warns(RuntimeWarning):
+        losses = [train_step(x, y) for x, y in zip(xs, ys)]
+    ref_losses = _eager_reference(ref, ref_opt, xs, ys)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    _assert_same_state(opt, ref_opt, model, ref)
+    st = train_step.stats
+    # layers 0 and 1 are stashed (2 saved [256, 16] tensors each, 8 pages apiece: 32 pages),
+    # the last one is kept; 0.2, 0.3, 0.45, 0.675 of that overflow, 1.0125 fits
+    assert st.stash_pages_peak == 32
+    assert (st.overflows, st.eager_reruns, st.steps) == (4, 4, 10)
+    assert config.device_factor == pytest.approx(0.2 * 1.5 ** 4)
+    assert int(opt.state[next(model.parameters())]["step"]) == 10
+
+
+def test_single_stash_group_is_kept_not_stashed(gen):
+    """One group around the whole model is followed directly by its own backward, so the
+    manager keeps its tensors (NOTE [last group kept]): nothing is stashed, nothing overflows."""
+    stash = pytest.importorskip("graphstash.stash")
+    model, opt, _, _ = _make_pair(OPTIMIZERS["adamw"])
+    model.opt = opt
+    xs, ys, _ = _data(gen, 4, batch=256)
+    tokens = torch.tensor([256], dtype=torch.int32)
+    config = stash.StashConfig(page_size=32, device_factor=0.2, host_tier=False,
+                               min_tensor_bytes=0, backend="reference")
+    train_step = _stash_step(stash, model, tokens, config, per_layer=False)
+    with pytest.warns(RuntimeWarning):
+        for x, y in zip(xs, ys):
+            train_step(x, y)
+    st = train_step.stats
+    assert (st.stash_pages_peak, st.overflows) == (0, 0)
+    assert train_step.stash_manager.schedule == [("F", 0, "all"), ("B", 0, "all")]
+
+
 def test_release_then_reset(gen):
     w = torch.nn.Parameter(torch.randn(4, generator=gen))
     opt = torch.optim.SGD([w], lr=0.1)
