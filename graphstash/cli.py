@@ -40,7 +40,8 @@ def _info(args) -> int:
 def _demo(args) -> int:
     from graphstash import demo
 
-    return demo.run(device=args.device, steps=args.steps, hidden=args.hidden, seed=args.seed)
+    return demo.run(device=args.device, steps=args.steps, hidden=args.hidden, seed=args.seed,
+                    size=args.size, mode=args.mode)
 
 
 def _bench(args) -> int:
@@ -54,10 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, GPUs, and which backend would run")
     p.set_defaults(func=_info)
-    p = sub.add_parser("demo", help="stash and reload activations; runs on a GPU or the CPU")
+    p = sub.add_parser("demo", help="train the reference MoE model with graph_step and stashing "
+                       "(on the CPU: eagerly, small)")
+    from graphstash import demo as _demo_module
+
+    p.add_argument("--mode", default="all", choices=_demo_module.MODES,
+                   help="all (eager dropless, graph + budget, graph + budget + stash; default), "
+                   "one of them, or paging (the bare paged stash buffer demo)")
+    p.add_argument("--size", default="auto", choices=("auto", "tiny", "small", "medium", "large"),
+                   help="model size (default: medium on a GPU, tiny on the CPU)")
+    p.add_argument("--steps", type=int, default=20, help="training steps per mode")
     p.add_argument("--device", default="auto", help="auto (GPU if there is one), cuda or cpu")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--hidden", type=int, default=None, help="row width (default: by device)")
+    p.add_argument("--hidden", type=int, default=None,
+                   help="hidden width (default: by size; for paging, the row width)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo)
     p = sub.add_parser("bench", help="benchmarks, each next to its baseline in the same run")

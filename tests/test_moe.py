@@ -174,6 +174,21 @@ def test_grouped_mm_implementations_agree(gen):
         grouped_mm(x, w, counts[:2])
 
 
+def test_grouped_mm_probe_ignores_enclosing_grad_mode_and_hooks(monkeypatch):
+    from graphstash.moe import experts
+
+    monkeypatch.setattr(experts, "_eager_ok", {})
+    monkeypatch.setattr(experts, "_capture_ok", {})
+
+    def refuse(t):
+        raise AssertionError("the probe's saved tensors reached an enclosing hook")
+
+    with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(refuse, refuse):
+        eager, capture = experts._probe("cpu", torch.float32)
+    assert (eager, capture) == (hasattr(torch, "_grouped_mm"), False)   # no capture on a CPU
+    assert experts._probe("cpu", torch.float32) == (eager, capture)     # cached
+
+
 def _model_config(**kw):
     base = dict(hidden=32, ffn=48, num_experts=4, topk=2, layers=2, num_tokens=64,
                 capacity_factor=4.0, pad_multiple=4)
@@ -247,8 +262,22 @@ def test_model_stash_mode_matches_budget(gen):
 def test_moe_demo_runs_on_cpu(capsys):
     from graphstash.moe import demo
 
-    results = demo.run(device="cpu", steps=2)
-    assert set(results) == {"dropless", "budget"}
-    torch.testing.assert_close(torch.tensor(results["dropless"]["losses"]),
-                               torch.tensor(results["budget"]["losses"]))
-    assert "moe budget" in capsys.readouterr().out
+    results = demo.run(device="cpu", steps=3)
+    assert list(results) == ["dropless", "budget", "stash"]
+    for mode in ("budget", "stash"):
+        torch.testing.assert_close(torch.tensor(results[mode]["losses"]),
+                                   torch.tensor(results["dropless"]["losses"]))
+    used, spilled, pool = results["stash"]["pages"]
+    assert 0 < used <= pool
+    out = capsys.readouterr().out
+    assert "no CUDA GPU in use" in out and "eager + budget + stash" in out
+    assert "pages peak/pool" in out
+
+
+def test_cli_demo_modes_on_cpu(capsys):
+    from graphstash import cli
+
+    assert cli.main(["demo", "--device", "cpu", "--steps", "2", "--mode", "stash"]) == 0
+    assert "eager + budget + stash" in capsys.readouterr().out
+    assert cli.main(["demo", "--device", "cpu", "--steps", "2", "--mode", "paging"]) == 0
+    assert "rows checked byte for byte" in capsys.readouterr().out

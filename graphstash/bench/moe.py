@@ -19,7 +19,9 @@ import time
 
 import torch
 
+from .. import _layout as L
 from ..moe import MoEConfig, MoEModel
+from ..moe import experts as _experts
 
 # Launch-bound: small layers, many of them; memory-bound: wide layers, many tokens.
 CONFIGS = {
@@ -62,7 +64,7 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    status = torch.zeros(8, dtype=torch.int32, device=device)
+    status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)
     model_mode = {"eager dropless": "dropless", "graph + budget": "budget"}.get(mode, "stash")
     manager = _stash_manager(mode, device, status) if model_mode == "stash" else None
     model = MoEModel(config, mode=model_mode, group=group, stash_manager=manager,
@@ -70,6 +72,9 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
     graphed = mode != "eager dropless"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphed)
     static_x = batches[0].clone()
+    # Decide before any capture whether the experts' grouped GEMM may be captured
+    # (NOTE [grouped_mm under capture] in graphstash/moe/experts.py).
+    _experts._probe(device, static_x.dtype)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -77,11 +82,14 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
             loss = model(static_x).float().pow(2).mean()
             loss.backward()
         else:
-            manager.begin_step()
+            # begin_step() and end_step() are captured too; end_step() joins the manager's
+            # pack/unpack streams back before the capture ends (NOTE [capture] in
+            # graphstash/stash/manager.py).
             with manager:
+                manager.begin_step()
                 loss = model(static_x).float().pow(2).mean()
                 loss.backward()
-            manager.end_step()
+                manager.end_step()
         opt.step()
         return loss.detach()
 
@@ -104,8 +112,8 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
     result = {
         "step_ms": elapsed * 1e3,
         "peak_mib": (torch.cuda.max_memory_allocated(device) - base) / 2**20,
-        "over_budget": int(status[2]),
-        "overflow": int(status[0]),
+        "over_budget": int(status[L.SS_OVER_BUDGET]),
+        "overflow": int(status[L.SS_OVERFLOW]),
     }
     del model, opt, manager
     return result
@@ -116,6 +124,12 @@ def _print_table(name: str, config: MoEConfig, world: int, results: dict) -> Non
     print(f"\nMoE {name}: {config.layers} layers, hidden {config.hidden}, ffn {config.ffn}, "
           f"{config.num_experts} experts top-{config.topk}, {config.num_tokens} tokens/rank, "
           f"EP={world}, bf16")
+    eager_ok, capture_ok = _experts._probe(torch.device("cuda", torch.cuda.current_device()),
+                                           torch.bfloat16)
+    print("experts: " + ("torch._grouped_mm, captured" if capture_ok else
+                         "torch._grouped_mm eagerly, a masked dense product (num_experts x the "
+                         "work) inside graphs" if eager_ok else "a per-expert loop eagerly, a "
+                         "masked dense product inside graphs"))
     print(f"{'mode':<24}{'step ms':>9}{'peak MiB':>10}{'mem/eager':>11}{'mem/graph':>11}"
           f"{'time/graph':>11}{'speedup':>9}  flags")
     for mode, r in results.items():

@@ -1,11 +1,13 @@
 """Expert compute over the permuted buffer: a grouped GEMM with device offsets.
 
-``torch._grouped_mm`` where it works for the device and dtype (probed once, eagerly, and
-checked against a per-expert loop), otherwise a per-expert loop (eager only: it reads the
-counts back) or, while a CUDA graph is being captured, a masked dense product over every
-expert (capturable, ``E`` times the work).
+``torch._grouped_mm`` where it works for the device, dtype and layout, otherwise a
+per-expert loop (eager only: it reads the counts back) or, while a CUDA graph is being
+captured, a masked dense product over every expert (capturable, ``E`` times the work).
+See NOTE [grouped_mm under capture].
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -13,7 +15,24 @@ from .._checks import describe, is_capturing, require_tensor
 
 __all__ = ["grouped_mm"]
 
-_probe_results: dict[tuple, bool] = {}
+# NOTE [grouped_mm under capture]
+# On CUDA, torch._grouped_mm has a CUTLASS path only for bf16 on sm90/sm100 with 16-byte
+# aligned rows; every other dtype, device or layout takes a fallback that copies the offsets
+# to the host (``offs.cpu()``) and loops. That fallback is correct eagerly but breaks a CUDA
+# graph capture ("Cannot copy between CPU and CUDA tensors during CUDA graph capture").
+# So two facts are kept per (device, dtype), both established outside any capture, once:
+#   - eager: _grouped_mm forward and backward run and agree with a per-expert loop;
+#   - capture: the fast-path gate holds (bf16, compute capability 9.x or 10.x) AND the same
+#     forward and backward captured into a throwaway CUDA graph (under saved-tensor hooks of
+#     our own, so an enclosing stash_activations does not see the probe) replay correctly.
+# Inside a capture the native op is used only when the capture fact holds; otherwise the
+# masked dense product runs. A capture that meets a (device, dtype) never probed eagerly
+# cannot probe (a capture inside a capture is not allowed), takes the masked product and
+# warns once: run one eager step first (graph_step's warmup does).
+
+_eager_ok: dict[tuple, bool] = {}
+_capture_ok: dict[tuple, bool] = {}
+_warned_unprobed: set = set()
 
 
 def _grouped_mm_native(x, weight, offsets):
@@ -35,49 +54,174 @@ def _masked_dense(x, weight, tokens_per_expert):
     starts = ends - tokens_per_expert.long()
     rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1)
     out = x.new_zeros(x.shape[0], weight.shape[1])
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
     for e in range(weight.shape[0]):
         mask = (rows >= starts[e]) & (rows < ends[e])
-        out = out + torch.where(mask, x @ weight[e].t(), torch.zeros((), dtype=x.dtype,
-                                                                     device=x.device))
+        out = out + torch.where(mask, x @ weight[e].t(), zero)
     return out
 
 
-def _native_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm handles this device/dtype/layout (probed once, eagerly)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
+def _layout_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Rows and weights laid out as the CUTLASS path needs: unit inner stride, 16-byte rows
+    and base pointers (checked for every call: a view can break what the probe saw)."""
     size = x.element_size()
-    if (x.shape[1] * size) % 16 or (weight.shape[1] * size) % 16:
+    return (x.stride(1) == 1 and (x.stride(0) * size) % 16 == 0
+            and (x.shape[1] * size) % 16 == 0 and (weight.shape[1] * size) % 16 == 0
+            and weight.is_contiguous() and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+
+
+def _fast_path_device(device: torch.device, dtype: torch.dtype) -> bool:
+    """The static half of the capture fact: bf16 on a CUDA device of compute capability 9/10."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
         return False
-    key = (x.device.type, x.device.index, x.dtype)
-    ok = _probe_results.get(key)
-    if ok is None:
-        if is_capturing():
+    major, _ = torch.cuda.get_device_capability(device)
+    return major in (9, 10)
+
+
+def _key(device: torch.device, dtype: torch.dtype) -> tuple:
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return (device.type, device.index, dtype)
+
+
+def _native_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm may run here, now (NOTE [grouped_mm under capture])."""
+    if not hasattr(torch, "_grouped_mm") or not _layout_ok(x, weight):
+        return False
+    key = _key(x.device, x.dtype)
+    capturing = is_capturing()
+    if key not in _eager_ok:
+        if capturing:
+            if key not in _warned_unprobed:
+                _warned_unprobed.add(key)
+                warnings.warn(
+                    f"grouped_mm: first call for {x.dtype} on {x.device} is inside a CUDA graph "
+                    "capture, so torch._grouped_mm could not be probed; using the masked dense "
+                    "fallback (num_experts times the work). Run one eager step before "
+                    "capturing (graph_step's warmup does).", RuntimeWarning, stacklevel=3)
             return False
-        ok = _probe(x.device, x.dtype)
-        _probe_results[key] = ok
-    return ok
+        _probe(x.device, x.dtype)
+    return _capture_ok[key] if capturing else _eager_ok[key]
 
 
-def _probe(device, dtype) -> bool:
-    gen = torch.Generator().manual_seed(0)
-    xs = torch.randn(24, 16, generator=gen).to(device=device, dtype=dtype).requires_grad_()
-    ws = torch.randn(3, 32, 16, generator=gen).to(device=device, dtype=dtype).requires_grad_()
-    counts = [8, 0, 16]
-    offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
-    try:
-        y = _grouped_mm_native(xs, ws, offsets)
-        g = torch.ones_like(y)
-        gx, gw = torch.autograd.grad(y, (xs, ws), g)
-    except (RuntimeError, NotImplementedError, TypeError):
+def _probe(device, dtype: torch.dtype) -> tuple[bool, bool]:
+    """Establish (once) whether torch._grouped_mm works eagerly and under capture.
+
+    Not capturable. Returns ``(eager_ok, capture_ok)`` for ``device`` and ``dtype``; later
+    calls return the cached pair. ``grouped_mm`` calls it on its first eager call for a
+    (device, dtype); call it yourself before a capture whose step never ran eagerly.
+    """
+    device = torch.device(device)
+    key = _key(device, dtype)
+    if key in _eager_ok:
+        return _eager_ok[key], _capture_ok[key]
+    if is_capturing():
+        from ..errors import CaptureError
+
+        raise CaptureError("grouped_mm probe: cannot run while a CUDA graph is being captured")
+    eager = capture = False
+    if hasattr(torch, "_grouped_mm"):
+        with _probe_context(device):
+            eager = _probe_eager(device, dtype)
+            if eager and _fast_path_device(device, dtype):
+                capture = _probe_capture(device, dtype)
+    _eager_ok[key], _capture_ok[key] = eager, capture
+    return eager, capture
+
+
+class _probe_context:
+    """Grad on, autocast off, and identity saved-tensor hooks shadowing any enclosing ones."""
+
+    def __init__(self, device: torch.device):
+        self._stack = [torch.inference_mode(False), torch.enable_grad(),
+                       torch.autocast(device.type, enabled=False),
+                       torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)]
+
+    def __enter__(self):
+        for c in self._stack:
+            c.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for c in reversed(self._stack):
+            c.__exit__(*exc)
         return False
+
+
+_PROBE_COUNTS = [8, 0, 16]     # a group with no rows, and 4 rows past the last group
+_PROBE_ROWS = 28
+
+
+def _probe_inputs(device, dtype):
+    gen = torch.Generator().manual_seed(0)
+    xs = torch.randn(_PROBE_ROWS, 16, generator=gen).to(device=device, dtype=dtype)
+    ws = torch.randn(3, 32, 16, generator=gen).to(device=device, dtype=dtype)
+    g = torch.randn(_PROBE_ROWS, 32, generator=gen).to(device=device, dtype=dtype)
+    return xs, ws, g
+
+
+def _probe_reference(xs, ws, g):
     xr = xs.detach().clone().requires_grad_()
     wr = ws.detach().clone().requires_grad_()
-    yr = _loop(xr, wr, counts)
+    yr = _loop(xr, wr, _PROBE_COUNTS)
     gxr, gwr = torch.autograd.grad(yr, (xr, wr), g)
+    return yr, gxr, gwr
+
+
+def _probe_agrees(got, want) -> bool:
+    n = sum(_PROBE_COUNTS)       # rows past the groups are unspecified
     tol = dict(rtol=5e-2, atol=5e-2)
-    return (torch.allclose(y.float(), yr.float(), **tol) and torch.allclose(gx.float(), gxr.float(), **tol)
+    y, gx, gw = got
+    yr, gxr, gwr = want
+    return (torch.allclose(y[:n].float(), yr[:n].float(), **tol)
+            and torch.allclose(gx[:n].float(), gxr[:n].float(), **tol)
             and torch.allclose(gw.float(), gwr.float(), **tol))
+
+
+def _probe_eager(device, dtype) -> bool:
+    xs, ws, g = _probe_inputs(device, dtype)
+    offsets = torch.tensor(_PROBE_COUNTS, device=device).cumsum(0).to(torch.int32)
+    try:
+        x = xs.clone().requires_grad_()
+        w = ws.clone().requires_grad_()
+        y = _grouped_mm_native(x, w, offsets)
+        gx, gw = torch.autograd.grad(y, (x, w), g)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return _probe_agrees((y, gx, gw), _probe_reference(xs, ws, g))
+
+
+def _probe_capture(device, dtype) -> bool:
+    """Capture the probe's forward and backward in a throwaway graph; replay and check it."""
+    xs, ws, g = _probe_inputs(device, dtype)
+    x = xs.clone().requires_grad_()
+    w = ws.clone().requires_grad_()
+    offsets = torch.tensor(_PROBE_COUNTS, device=device).cumsum(0).to(torch.int32)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(device)
+    torch.cuda.synchronize(device)
+    captured = False
+    try:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                y = _grouped_mm_native(x, w, offsets)
+                gx, gw = torch.autograd.grad(y, (x, w), g)
+            finally:
+                graph.capture_end()
+        captured = True
+        graph.replay()
+        torch.cuda.synchronize(device)
+        ok = _probe_agrees((y, gx, gw), _probe_reference(xs, ws, g))
+    except Exception:       # noqa: BLE001 - any failure means "not capturable here"
+        ok = False
+    finally:
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:   # noqa: BLE001
+            pass
+        del graph
+    return ok and captured
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
