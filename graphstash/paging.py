@@ -80,6 +80,19 @@ class _Pool:
     ring_init: torch.Tensor    # int64 [4] fresh (dev head, dev tail, host head, host tail)
     page_rows: int
     page_bytes: int
+    kernel_args: tuple = ()    # the pool's part of the CuPy launch arguments (CuPy backend)
+
+    @property
+    def dev_pages_ptr(self) -> int:
+        return self.dev_pages.data_ptr()
+
+    @property
+    def host_pages_ptr(self) -> int:
+        return self.host_pages.data_ptr()
+
+    @property
+    def table_ptr(self) -> int:
+        return self.table.data_ptr()
 
     @property
     def num_dev(self) -> int:
@@ -113,18 +126,22 @@ class PagedTensor:
 
     @property
     def buffer(self) -> "PagedStashBuffer":
+        """The :class:`PagedStashBuffer` that holds the rows."""
         return self._buffer
 
     @property
     def dtype(self) -> torch.dtype:
+        """Element type of the stashed tensor (the buffer's)."""
         return self._buffer.dtype
 
     @property
     def device(self) -> torch.device:
+        """Device of the stashed tensor (the buffer's)."""
         return self._buffer.device
 
     @property
     def reloaded(self) -> bool:
+        """True once ``reload`` consumed the handle (its pages are free again)."""
         return self._reloaded
 
     def record(self) -> dict:
@@ -221,18 +238,22 @@ class PagedStashBuffer:
     # ---- properties ---------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
+        """Where stashed tensors live (a CUDA device with an index, or the CPU)."""
         return self._device
 
     @property
     def dtype(self) -> torch.dtype:
+        """Element type of the tensors this buffer stashes."""
         return self._dtype
 
     @property
     def hidden_size(self) -> int:
+        """Elements per row."""
         return self._hidden_size
 
     @property
     def page_size(self) -> int:
+        """Rows per page."""
         return self._page_size
 
     @property
@@ -242,30 +263,37 @@ class PagedStashBuffer:
 
     @property
     def backend_reason(self) -> str:
+        """Why :attr:`backend` was chosen (one line, for logs)."""
         return self._backend_reason
 
     @property
     def max_tokens(self) -> int:
+        """Rows the device tier was asked to hold (before rounding up to pages)."""
         return self._max_tokens
 
     @property
     def host_tokens(self) -> int:
+        """Rows the pinned-host tier was asked to hold (0: no host tier)."""
         return self._host_tokens
 
     @property
     def num_device_pages(self) -> int:
+        """Pages in the device tier (page ids ``0..num_device_pages-1``)."""
         return -(-self._max_tokens // self._page_size)
 
     @property
     def num_host_pages(self) -> int:
+        """Pages in the pinned-host tier (ids follow the device pages)."""
         return -(-self._host_tokens // self._page_size)
 
     @property
     def page_bytes(self) -> int:
+        """Bytes of one page: ``page_size x hidden_size x`` element size."""
         return self._page_size * self._row_bytes
 
     @property
     def released(self) -> bool:
+        """True between ``release()`` and ``reallocate()``."""
         return self._pool is None
 
     @property
@@ -311,6 +339,8 @@ class PagedStashBuffer:
             page_rows=P,
             page_bytes=P * self._row_bytes,
         )
+        if self._backend == "cupy":
+            self._pool.kernel_args = _cupy_paged.pool_kernel_args(self._pool)
         self._slots = _RecordSlots(entries)
         self._init_rings(clear_peaks=True)
 
@@ -331,13 +361,14 @@ class PagedStashBuffer:
         owns its status) also zeroes the sticky flags; ``clear_peaks`` the high-water marks.
         """
         self._require_live("reset")
-        self._order_before()
+        capturing = self._device.type == "cuda" and is_capturing()
+        self._order_before(capturing)
         self._generation += 1
         self._slots.reset()
         self._init_rings(clear_peaks=clear_peaks)
         if clear_status if clear_status is not None else self._shared_status is None:
             self._pool.status.zero_()
-        self._order_after()
+        self._order_after(capturing)
 
     def release(self) -> None:
         """Free the pages, rings and record table; ``reallocate()`` makes the buffer usable again.
@@ -371,7 +402,7 @@ class PagedStashBuffer:
         self._allocate()
 
     # ---- ordering -----------------------------------------------------------------------
-    def _order_before(self) -> None:
+    def _order_before(self, capturing: bool) -> None:
         """Make the current stream wait for this buffer's previous operation on another stream.
 
         NOTE [lazy ordering event]: nothing is recorded after an operation; only when the next
@@ -382,7 +413,7 @@ class PagedStashBuffer:
         if self._device.type != "cuda" or self._last_stream is None:
             return
         stream = torch.cuda.current_stream(self._device)
-        if self._last_captured != is_capturing():
+        if self._last_captured != capturing:
             return   # the other side of a capture boundary: nothing in this graph to wait for
         if self._last_stream != stream:
             if self._event is None:
@@ -390,11 +421,11 @@ class PagedStashBuffer:
             self._event.record(self._last_stream)
             stream.wait_event(self._event)
 
-    def _order_after(self) -> None:
+    def _order_after(self, capturing: bool) -> None:
         if self._device.type != "cuda":
             return
         self._last_stream = torch.cuda.current_stream(self._device)
-        self._last_captured = is_capturing()
+        self._last_captured = capturing
 
     # ---- hot path -----------------------------------------------------------------------
     def _require_live(self, op: str) -> None:
@@ -402,15 +433,17 @@ class PagedStashBuffer:
             raise ReleasedError(f"PagedStashBuffer.{op}: the buffer was released; "
                                 "call reallocate() first")
 
-    def _check_backend_capturable(self, op: str) -> None:
-        if not is_capturing():
-            return
+    def _check_backend_capturable(self, op: str) -> bool:
+        """Whether the current stream is capturing; raises CaptureError if ``op`` can't be."""
+        if self._device.type != "cuda" or not is_capturing():
+            return False
         if self._backend == "reference":
             raise CaptureError(f"PagedStashBuffer.{op} with the reference backend reads counts "
                                "back to the host and cannot be captured; use backend='cupy'")
         if not _kernels.is_compiled(self._device.index):
             raise CaptureError(f"PagedStashBuffer.{op}: the kernels are not compiled yet; call "
                                "graphstash.warmup() before capturing")
+        return True
 
     def stash(self, x: torch.Tensor, num_tokens: torch.Tensor) -> PagedTensor:
         """Copy the live rows of ``x`` into pages and return their handle.
@@ -430,7 +463,7 @@ class PagedStashBuffer:
         self._require_live("stash")
         S, cap = self._check_x("x", x)
         counts = check_counts("num_tokens", num_tokens, device=self._device, segments=S)
-        self._check_backend_capturable("stash")
+        capturing = self._check_backend_capturable("stash")
         length = L.H_HEADER + S + S * (-(-cap // self._page_size))
         offset = self._slots.alloc(length)
         if offset is None:
@@ -438,13 +471,14 @@ class PagedStashBuffer:
                 f"PagedStashBuffer.stash: the handle-record table ({self._slots.capacity} "
                 f"entries, {self._slots.free_entries} free) cannot hold {length} more; reload "
                 "or reset() outstanding handles, or pass a larger record_entries")
-        src = x.view(torch.uint8).view(S, cap, self._row_bytes)
-        self._order_before()
+        self._order_before(capturing)
         if self._backend == "cupy":
-            _cupy_paged.paged_stash(self._pool, src, counts, offset)
+            _cupy_paged.paged_stash(self._pool, x.data_ptr(), S, cap, self._row_bytes, counts,
+                                    offset, self._device.index)
         else:
+            src = x.view(torch.uint8).view(S, cap, self._row_bytes)
             _reference.stash(self._pool, src, counts, offset)
-        self._order_after()
+        self._order_after(capturing)
         handle = PagedTensor(self, offset, length, x.shape, S, cap, self._generation)
         handle._finalizer = weakref.finalize(handle, self._release_slot, offset, length,
                                              self._generation)
@@ -480,15 +514,17 @@ class PagedStashBuffer:
             out = torch.empty(handle.shape, dtype=self._dtype, device=self._device)
         else:
             self._check_out(out, handle)
-        self._check_backend_capturable("reload")
-        dst = out.view(torch.uint8).view(handle.num_segments, handle.rows_per_segment,
-                                         self._row_bytes)
-        self._order_before()
+        capturing = self._check_backend_capturable("reload")
+        self._order_before(capturing)
         if self._backend == "cupy":
-            _cupy_paged.paged_reload(self._pool, dst, handle._offset, zero_tail)
+            _cupy_paged.paged_reload(self._pool, out.data_ptr(), handle.num_segments,
+                                     handle.rows_per_segment, self._row_bytes, handle._offset,
+                                     zero_tail, self._device.index)
         else:
+            dst = out.view(torch.uint8).view(handle.num_segments, handle.rows_per_segment,
+                                             self._row_bytes)
             _reference.reload(self._pool, dst, handle._offset, zero_tail)
-        self._order_after()
+        self._order_after(capturing)
         handle._reloaded = True
         handle._finalizer.detach()
         self._slots.free(handle._offset, handle._length)

@@ -104,18 +104,30 @@ def _function(device_index: int, module_name: str, kernel: str):
     return _module(device_index, module_name).get_function(kernel)
 
 
+class _RawStream:
+    """A raw CUDA stream handle presented through the ``__cuda_stream__`` protocol."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
 def _cupy_stream(device_index: int):
-    """CuPy view of torch's current stream on ``device_index`` (cached per stream)."""
-    stream = torch.cuda.current_stream(device_index)
-    key = (device_index, stream.cuda_stream)
+    """CuPy view of torch's current stream on ``device_index`` (cached per stream handle)."""
+    handle = torch._C._cuda_getCurrentRawStream(device_index)
+    key = (device_index, handle)
     wrapped = _streams.get(key)
     if wrapped is None:
         cupy = _import_cupy()
         with cupy.cuda.Device(device_index):
-            try:   # CuPy >= 13 takes any object with __cuda_stream__ (torch streams have it)
-                wrapped = cupy.cuda.Stream.from_external(stream)
+            try:   # CuPy >= 13 takes any object with __cuda_stream__
+                wrapped = cupy.cuda.Stream.from_external(_RawStream(handle))
             except (AttributeError, TypeError):
-                wrapped = cupy.cuda.ExternalStream(stream.cuda_stream)
+                wrapped = cupy.cuda.ExternalStream(handle)
         _streams[key] = wrapped
     return wrapped
 
@@ -170,15 +182,31 @@ def ptr(t: torch.Tensor) -> np.uint64:
     return np.uint64(t.data_ptr())
 
 
+_launchers: dict[tuple[int, str, str, int], tuple] = {}
+
+
 def launch(module_name: str, kernel: str, items: int, device_index: int, args: tuple,
            shared_mem: int = 0) -> None:
     """Launch ``kernel`` on torch's current stream: a persistent grid of the blocks that fit on
     the device at once, but no more than ``items`` (units of work the launch may find)."""
-    func = _function(device_index, module_name, kernel)
-    blocks = resident_blocks(device_index, module_name, kernel, shared_mem)
+    key = (device_index, module_name, kernel, shared_mem)
+    entry = _launchers.get(key)
+    if entry is None:
+        raw = _function(device_index, module_name, kernel)
+        entry = (raw, getattr(raw, "kernel", None),
+                 resident_blocks(device_index, module_name, kernel, shared_mem))
+        _launchers[key] = entry
+    raw, function, blocks = entry
     grid = (max(1, min(items, blocks)), 1, 1)
-    with _cupy_stream(device_index):
-        func(grid, (THREADS, 1, 1), args, shared_mem=shared_mem)
+    stream = _cupy_stream(device_index)
+    if function is not None:
+        try:   # the compiled function takes the stream directly: no current-stream switch
+            function(grid, (THREADS, 1, 1), args, shared_mem, stream)
+            return
+        except TypeError:
+            _launchers[key] = (raw, None, blocks)
+    with stream:
+        raw(grid, (THREADS, 1, 1), args, shared_mem=shared_mem)
 
 
 def register_source(module_name: str, source: str, kernels: tuple[str, ...]) -> None:

@@ -20,35 +20,33 @@ def _segment_smem(S: int) -> int:
     return (S + 1) * 8 + (S + 1) * 4 + S * 4
 
 
-def _pool_args(pool):
-    return (ptr(pool.dev_pages), ptr(pool.host_pages), np.int32(pool.num_dev),
-            np.int32(pool.num_host))
-
-
-def paged_stash(pool, src: torch.Tensor, counts: torch.Tensor, rec_offset: int) -> None:
-    """Launch ``gs_stash_v*``; same contract as :func:`graphstash.reference.paged_stash.stash`."""
-    S, cap, row_bytes = src.shape
-    width = vector_width(row_bytes, src.data_ptr(), pool.dev_pages.data_ptr(),
-                         pool.host_pages.data_ptr())
-    rec_ptr = np.uint64(pool.table.data_ptr() + 4 * rec_offset)
-    args = (ptr(src), np.int64(cap * row_bytes), np.int64(row_bytes), np.int32(S), np.int32(cap),
-            ptr(counts), np.int32(counts.dtype == torch.int64), np.int32(pool.page_rows),
-            np.int64(pool.page_bytes), *_pool_args(pool), ptr(pool.dev_ring),
-            ptr(pool.host_ring), ptr(pool.state), ptr(pool.status), rec_ptr)
+def paged_stash(pool, src_ptr: int, S: int, cap: int, row_bytes: int, counts: torch.Tensor,
+                rec_offset: int, device_index: int) -> None:
+    """Launch ``gs_stash_v*``; same contract as :func:`graphstash.reference.paged_stash.stash`,
+    with the tensor given as its address and ``[S, cap, row_bytes]`` geometry."""
+    width = vector_width(row_bytes, src_ptr, pool.dev_pages_ptr, pool.host_pages_ptr)
+    args = (np.uint64(src_ptr), np.int64(cap * row_bytes), np.int64(row_bytes), np.int32(S),
+            np.int32(cap), ptr(counts), np.int32(counts.dtype == torch.int64),
+            *pool.kernel_args[0], np.uint64(pool.table_ptr + 4 * rec_offset))
     launch("paged_stash", f"gs_stash_v{width}", _chunks(S * cap * row_bytes, width),
-           src.device.index, args, shared_mem=_segment_smem(S))
+           device_index, args, shared_mem=_segment_smem(S))
 
 
-def paged_reload(pool, dst: torch.Tensor, rec_offset: int, zero_tail: bool) -> None:
-    """Launch ``gs_reload_v*``; same contract as :func:`graphstash.reference.paged_stash.reload`."""
-    S, cap, row_bytes = dst.shape
-    width = vector_width(row_bytes, dst.data_ptr(), pool.dev_pages.data_ptr(),
-                         pool.host_pages.data_ptr())
-    rec_ptr = np.uint64(pool.table.data_ptr() + 4 * rec_offset)
-    args = (ptr(dst), np.int64(cap * row_bytes), np.int64(row_bytes), np.int32(S), np.int32(cap),
-            np.int32(pool.page_rows), np.int64(pool.page_bytes), *_pool_args(pool),
-            ptr(pool.dev_ring), ptr(pool.host_ring), ptr(pool.state), rec_ptr,
+def paged_reload(pool, dst_ptr: int, S: int, cap: int, row_bytes: int, rec_offset: int,
+                 zero_tail: bool, device_index: int) -> None:
+    """Launch ``gs_reload_v*``; same contract as :func:`graphstash.reference.paged_stash.reload`,
+    with the output given as its address and ``[S, cap, row_bytes]`` geometry."""
+    width = vector_width(row_bytes, dst_ptr, pool.dev_pages_ptr, pool.host_pages_ptr)
+    args = (np.uint64(dst_ptr), np.int64(cap * row_bytes), np.int64(row_bytes), np.int32(S),
+            np.int32(cap), *pool.kernel_args[1], np.uint64(pool.table_ptr + 4 * rec_offset),
             np.int32(bool(zero_tail)))
     launch("paged_stash", f"gs_reload_v{width}", _chunks(S * cap * row_bytes, width),
-           dst.device.index, args, shared_mem=_segment_smem(S))
+           device_index, args, shared_mem=_segment_smem(S))
 
+
+def pool_kernel_args(pool) -> tuple[tuple, tuple]:
+    """The pool's part of the stash and of the reload argument lists (fixed per allocation)."""
+    pages = (ptr(pool.dev_pages), ptr(pool.host_pages), np.int32(pool.num_dev),
+             np.int32(pool.num_host), ptr(pool.dev_ring), ptr(pool.host_ring), ptr(pool.state))
+    geometry = (np.int32(pool.page_rows), np.int64(pool.page_bytes))
+    return (geometry + pages + (ptr(pool.status),), geometry + pages)
