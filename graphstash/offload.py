@@ -118,6 +118,7 @@ class HostPool:
 
     @property
     def in_use_bytes(self) -> int:
+        """Bytes of the buffers taken and not yet given back."""
         return sum(b.numel() for b in self._in_use.values())
 
     def reclaim(self) -> None:
@@ -177,8 +178,9 @@ def _is_parameter(t: torch.Tensor) -> bool:
             or (t.is_leaf and t.requires_grad) or (base is not None and base.is_leaf and base.requires_grad))
 
 
-def _storage_key(t: torch.Tensor) -> tuple:
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+def _storage_ptr(t: torch.Tensor) -> int:
+    """Identifies ``t``'s storage among live storages (a record holds its storage alive)."""
+    return t.untyped_storage().data_ptr()
 
 
 def _movable(t: torch.Tensor, device: torch.device) -> bool:
@@ -187,66 +189,184 @@ def _movable(t: torch.Tensor, device: torch.device) -> bool:
             and t.numel() > 0 and not _is_parameter(t) and _is_non_overlapping(t))
 
 
+class _View:
+    """One saved layout of a record's storage: where its bytes lie and how to rebuild it."""
+
+    __slots__ = ("shape", "stride", "offset", "dtype", "itemsize", "dense", "nbytes", "lo", "hi",
+                 "device", "back")
+
+    def __init__(self, t: torch.Tensor):
+        size = t.element_size()
+        self.shape = tuple(t.shape)
+        self.stride = t.stride()
+        self.offset = t.storage_offset()            # in elements of dtype
+        self.dtype = t.dtype
+        self.itemsize = size
+        self.dense = _is_dense(t)
+        self.nbytes = t.numel() * size
+        self.lo = self.offset * size                # bytes of the storage the view spans
+        self.hi = self.lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * size
+        self.device = t.detach()                    # NOTE [detached references]
+        self.back = None                            # the device tensor handed to backward
+
+    @staticmethod
+    def key(t: torch.Tensor) -> tuple:
+        return (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+class _Part:
+    """One host copy of a record: a byte span of the storage, or one (packed) view."""
+
+    __slots__ = ("view", "shape", "stride", "dtype", "nbytes", "host_buf", "host", "back")
+
+    def __init__(self, view: _View | None, shape, stride, dtype, nbytes: int):
+        self.view = view                            # None for a byte span
+        self.shape, self.stride, self.dtype, self.nbytes = shape, stride, dtype, nbytes
+        self.host_buf = self.host = self.back = None
+
+
 class _Record:
-    """One saved tensor's journey: device -> host buffer -> device (shared by deduplicated saves).
+    """One device storage's journey: device -> host buffer(s) -> device, for every view of it
+    saved in one group (offload) or one layer (swap).
+
+    NOTE [one record per storage]: autograd often saves several tensors that share one storage
+    (softmax saves its output and the next matmul a reshaped view of it; a fused projection's
+    q/k/v slices are saved by attention; ``x`` and ``x.t()``). Moving each view on its own would
+    copy the same bytes several times, allocate them several times on reload, and count bytes
+    that are freed only once. So records are keyed by storage, and :meth:`plan` decides how the
+    views move: when the byte span they cover together is no larger than the sum of their
+    sizes (one dense view; views that overlap; slices that tile the storage) the span is moved
+    once as raw bytes and every view is rebuilt on the reloaded span with its own strides and
+    offset; otherwise (e.g. one slice of a wide storage) each view moves on its own, dense
+    views as they are and non-dense ones packed (NOTE [reload layout]). ``nbytes`` is what is
+    moved, which is also what the device gives back once the storage is dropped (more, when
+    only slices of it were saved).
 
     NOTE [reload layout]: a dense tensor (any dimension order) comes back with exactly its
-    strides. A non-dense view (a slice of a fused projection) comes back dense, its dimensions
-    in the same stride order (keeping its strides would reload the whole span it was cut from);
-    ops in backward then lay out their outputs as they would have without offload. The host
-    copy has the reload's strides, so the D2H and H2D copies are single memcpys; a non-dense
-    source is first packed into a dense temporary on the d2h stream (copying it straight to a
-    host tensor of other strides would make torch stage it through pageable memory).
+    strides. A non-dense view moved on its own (a slice of a fused projection) comes back dense,
+    its dimensions in the same stride order (keeping its strides would reload the whole span it
+    was cut from); ops in backward then lay out their outputs as they would have without
+    offload. The host copy has the reload's strides, so the D2H and H2D copies are single
+    memcpys; a non-dense source is first packed into a dense temporary on the d2h stream
+    (copying it straight to a host tensor of other strides would make torch stage it through
+    pageable memory).
     """
 
-    __slots__ = ("device", "shape", "stride", "dtype", "nbytes", "dense", "host_buf", "host",
-                 "back", "refs", "owner", "key")
+    __slots__ = ("views", "parts", "span", "nbytes", "refs", "owner", "key", "version")
 
     def __init__(self, t: torch.Tensor, owner, key):
-        # NOTE [detached references]: records hold ``t.detach()`` (same storage and version
-        # counter, no grad_fn). Holding ``t`` itself would close a reference cycle through the
-        # C++ autograd graph for ops that save their output (t -> grad_fn -> saved handle -> t),
-        # which Python's collector cannot see: a dropped forward would then never be freed.
-        self.device = t.detach()             # held until its D2H copy is waited on
-        self.shape = tuple(t.shape)
-        self.dtype = t.dtype
-        self.dense = _is_dense(t)
-        self.stride = t.stride() if self.dense else _dense_strides_like(t)
-        self.nbytes = t.numel() * t.element_size()
-        self.host_buf = None                 # pool buffer
-        self.host = None                     # typed view of host_buf
-        self.back = None                     # the device tensor handed to backward
+        self.views: dict[tuple, _View] = {}
+        self.parts: list[_Part] = []
+        self.span = None                     # (lo, hi) bytes when the span moves as one part
+        self.nbytes = 0                      # bytes moved (set by plan)
         self.refs = 0                        # handles not yet unpacked
         self.owner = owner                   # the group (offload) or layer (swap) it belongs to
-        self.key = key
+        self.key = key                       # the storage's data_ptr
+        self.version = t._version            # shared by every view of the storage
+        self.add_view(t)
 
-    def make_host_view(self, pool: HostPool) -> torch.Tensor:
-        self.host_buf = pool.take(self.nbytes)
-        flat = self.host_buf[: self.nbytes].view(self.dtype)
-        self.host = flat.as_strided(self.shape, self.stride)
-        return self.host
+    def add_view(self, t: torch.Tensor) -> _View:
+        key = _View.key(t)
+        view = self.views.get(key)
+        if view is None:
+            view = self.views[key] = _View(t)
+        return view
 
-    def packed_source(self) -> torch.Tensor:
-        """The device tensor laid out like the host copy (a temporary on the current stream
-        when the original is not dense)."""
-        if self.dense:
-            return self.device
-        tmp = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device.device)
-        return tmp.copy_(self.device)
+    def plan(self) -> int:
+        """Decide how the views move (NOTE [one record per storage]); returns the bytes moved."""
+        views = list(self.views.values())
+        align = max(v.itemsize for v in views)
+        lo = min(v.lo for v in views)
+        lo -= lo % align                     # every view's offset stays a whole element
+        hi = max(v.hi for v in views)
+        if hi - lo <= sum(v.nbytes for v in views):
+            self.span = (lo, hi)
+            if len(views) == 1:              # one dense view: its span is exactly its bytes
+                v = views[0]
+                self.parts = [_Part(v, v.shape, v.stride, v.dtype, v.nbytes)]
+            else:
+                self.parts = [_Part(None, (hi - lo,), (1,), torch.uint8, hi - lo)]
+        else:
+            self.span = None
+            self.parts = [_Part(v, v.shape, v.stride if v.dense else _dense_strides_like(v.device),
+                                v.dtype, v.nbytes) for v in views]
+        self.nbytes = sum(p.nbytes for p in self.parts)
+        return self.nbytes
+
+    def covers(self, t: torch.Tensor) -> bool:
+        """Whether a planned record's copy already holds every byte of ``t`` (same version)."""
+        if t._version != self.version:
+            return False
+        if _View.key(t) in self.views:
+            return True
+        if self.span is None:
+            return False
+        lo = t.storage_offset() * t.element_size()
+        hi = lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+        start, end = self.span
+        return start <= lo and hi <= end and (lo - start) % t.element_size() == 0
+
+    def make_host_views(self, pool: HostPool) -> None:
+        for part in self.parts:
+            part.host_buf = pool.take(part.nbytes)
+            flat = part.host_buf[: part.nbytes].view(part.dtype)
+            part.host = flat.as_strided(part.shape, part.stride)
+
+    def source(self, part: _Part) -> torch.Tensor:
+        """The device tensor laid out like ``part``'s host copy (a temporary on the current
+        stream when it is a non-dense view moved on its own)."""
+        if part.view is None:                # the raw byte span of the storage
+            any_view = next(iter(self.views.values())).device
+            lo, hi = self.span
+            return torch.empty(0, dtype=torch.uint8, device=any_view.device).set_(
+                any_view.untyped_storage(), lo, (hi - lo,), (1,))
+        src = part.view.device
+        if part.view.dense:
+            return src
+        tmp = torch.empty_strided(part.shape, part.stride, dtype=part.dtype, device=src.device)
+        return tmp.copy_(src)
+
+    def alloc_back(self, device: torch.device) -> None:
+        """Allocate the reload destinations (current stream) and rebuild every view on them."""
+        for part in self.parts:
+            part.back = torch.empty_strided(part.shape, part.stride, dtype=part.dtype,
+                                            device=device)
+            if part.view is not None:
+                part.view.back = part.back
+        if self.span is not None:            # byte b of the span is byte b - lo of the reload
+            storage, lo = self.parts[0].back.untyped_storage(), self.span[0]
+            for v in self.views.values():
+                if v is not self.parts[0].view:
+                    v.back = torch.empty(0, dtype=v.dtype, device=device).set_(
+                        storage, (v.lo - lo) // v.itemsize, v.shape, v.stride)
+
+    def drop_device(self) -> None:
+        """Drop the references to the original storage (its D2H copy was waited on)."""
+        for v in self.views.values():
+            v.device = None
+
+    def adopt(self) -> None:
+        """Hand the original device tensors to backward (no copy back needed)."""
+        for v in self.views.values():
+            v.back, v.device = v.device, None
 
     def give_back(self, pool: HostPool) -> None:
-        if self.host_buf is not None:
-            pool.give(self.host_buf)
-        self.host_buf = self.host = self.device = self.back = None
+        for part in self.parts:
+            if part.host_buf is not None:
+                pool.give(part.host_buf)
+            part.host_buf = part.host = part.back = None
+        for v in self.views.values():
+            v.device = v.back = None
 
 
 class _Handle:
-    """What autograd stores in place of an offloaded tensor: a record and the version saved."""
+    """What autograd stores in place of an offloaded tensor: its record, view and saved version."""
 
-    __slots__ = ("record", "ref", "version", "__weakref__")
+    __slots__ = ("record", "view", "ref", "version", "__weakref__")
 
-    def __init__(self, record: _Record, t: torch.Tensor):
+    def __init__(self, record: _Record, view: _View, t: torch.Tensor):
         self.record = record
+        self.view = view
         self.ref = weakref.ref(t)
         self.version = t._version
 
@@ -371,18 +491,20 @@ class _Mover:
     def to_host(self, records: list[_Record], label) -> object:
         """Queue the D2H copies of ``records`` (device tensors held); returns the event to wait on."""
         for rec in records:
-            rec.make_host_view(self.pool)
+            rec.make_host_views(self.pool)
         self.log.append(("d2h", label))
         if not self.cuda:
             with torch.no_grad():
                 for rec in records:
-                    rec.host.copy_(rec.packed_source())
+                    for part in rec.parts:
+                        part.host.copy_(rec.source(part))
             return None
         stream = self._stream("d2h")
         stream.wait_event(self._record_on(self._compute()))
         with torch.no_grad(), torch.cuda.stream(stream):
             for rec in records:
-                rec.host.copy_(rec.packed_source(), non_blocking=True)
+                for part in rec.parts:
+                    part.host.copy_(rec.source(part), non_blocking=True)
         event = self._record_on(stream)
         self._tails["d2h"] = event
         return event
@@ -390,18 +512,21 @@ class _Mover:
     def to_device(self, records: list[_Record], label) -> object:
         """Queue the H2D copies of ``records`` into new device tensors; returns the event to wait on."""
         self.log.append(("h2d", label))
-        for rec in records:
-            rec.back = torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype, device=self.device)
+        with torch.no_grad():
+            for rec in records:
+                rec.alloc_back(self.device)
         if not self.cuda:
             with torch.no_grad():
                 for rec in records:
-                    rec.back.copy_(rec.host)
+                    for part in rec.parts:
+                        part.back.copy_(part.host)
             return None
         stream = self._stream("h2d")
         stream.wait_event(self._record_on(self._compute()))
         with torch.no_grad(), torch.cuda.stream(stream):
             for rec in records:
-                rec.back.copy_(rec.host, non_blocking=True)
+                for part in rec.parts:
+                    part.back.copy_(part.host, non_blocking=True)
         event = self._record_on(stream)
         self._tails["h2d"] = event
         return event
@@ -460,7 +585,7 @@ class _Group:
     chunk: "_Chunk"
     offload: bool                      # decided at start: enabled and not one of the last kept
     state: str = _OPEN
-    records: dict = dataclasses.field(default_factory=dict)     # storage key -> _Record
+    records: dict = dataclasses.field(default_factory=dict)     # storage ptr -> _Record
     saves: list = dataclasses.field(default_factory=list)       # (tensor weakref, version) per save
     handles: list = dataclasses.field(default_factory=list)     # weakrefs to the _Handles
     release: list = dataclasses.field(default_factory=list)     # tensors to free after D2H
@@ -639,7 +764,8 @@ class ActivationOffloader:
         self._group = None
         for ref, version in group.saves:
             _check_version(ref, version, f"in group {group.name!r}, before its copy to host")
-        group.nbytes = sum(r.nbytes for r in group.records.values())
+        # bytes moved, each storage once (NOTE [one record per storage])
+        group.nbytes = sum(r.plan() for r in group.records.values())
         # NOTE [release one commit later]: the copies queued at a commit (delayed groups, then
         # the group itself) overlap the next group's forward; at every commit, the groups whose
         # copies were queued at earlier commits are waited on and their device memory released
@@ -666,7 +792,7 @@ class ActivationOffloader:
         if isinstance(release, torch.Tensor):
             release = [release]
         tensors = list(release)
-        offloaded = {r.device.untyped_storage().data_ptr() for r in group.records.values()}
+        offloaded = set(group.records)
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"release[{i}]: expected a torch.Tensor, got {type(t).__name__}")
@@ -687,7 +813,7 @@ class ActivationOffloader:
         self._mover.wait(group.d2h_event, "d2h")
         self._copying.remove(group)
         for rec in group.records.values():
-            rec.device = None
+            rec.drop_device()
         for t in group.release:
             t.untyped_storage().resize_(0)
         group.release = []
@@ -792,14 +918,14 @@ class ActivationOffloader:
         if (group is None or not group.offload or t.numel() * t.element_size() < self.min_tensor_bytes
                 or not _movable(t, self.device) or self._is_marked(t)):
             return _Kept(t)
-        key = _storage_key(t)
+        key = _storage_ptr(t)                # NOTE [one record per storage]
         rec = group.records.get(key)
         if rec is None:
             rec = group.records[key] = _Record(t, group, key)
             group.outstanding += 1
             group.chunk.outstanding += 1
         rec.refs += 1
-        handle = _Handle(rec, t)
+        handle = _Handle(rec, rec.add_view(t), t)
         group.saves.append((handle.ref, handle.version))
         group.handles.append(weakref.ref(handle))
         return handle
@@ -815,7 +941,7 @@ class ActivationOffloader:
         group = rec.owner
         self._make_ready(group)
         self._prefetch_before(group)
-        out = rec.back
+        out = packed.view.back
         rec.refs -= 1
         if rec.refs == 0:
             rec.give_back(self.host_pool)
@@ -856,8 +982,7 @@ class ActivationOffloader:
 
     def _adopt(self, group: _Group) -> None:
         for rec in group.records.values():
-            rec.back = rec.device
-            rec.device = None
+            rec.adopt()
         group.release = []
         self._mover.log.append(("adopt", group.name))
 
@@ -929,7 +1054,9 @@ class ActivationOffloader:
 
     # -- reporting -------------------------------------------------------------------------
     def summary(self) -> dict[str, int]:
-        """Bytes offloaded per group name by the last completed forward, plus ``"total"``."""
+        """Bytes offloaded per group name by the last completed forward, plus ``"total"``; each
+        device storage counts once however many of its views were saved (NOTE [one record
+        per storage])."""
         out: dict[str, int] = {}
         for name, nbytes in self._summary:
             out[name] = out.get(name, 0) + nbytes

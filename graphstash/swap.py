@@ -26,7 +26,7 @@ import torch
 
 from ._checks import require_positive_int
 from .offload import (HostPool, OffloadError, _check_device, _check_version, _Kept, _movable,
-                      _Mover, _pop_context, _push_context, _Record, _storage_key)
+                      _Mover, _pop_context, _push_context, _Record, _storage_ptr)
 
 __all__ = ["TensorSwapper", "default_swapper", "swap"]
 
@@ -52,10 +52,11 @@ class _Item:
 
 
 class _SwapHandle:
-    __slots__ = ("item", "ref", "version", "__weakref__")
+    __slots__ = ("item", "view", "ref", "version", "__weakref__")
 
-    def __init__(self, item: _Item, t: torch.Tensor):
+    def __init__(self, item: _Item, view, t: torch.Tensor):
         self.item = item
+        self.view = view
         self.ref = weakref.ref(t)
         self.version = t._version
 
@@ -67,7 +68,7 @@ class _Layer:
     step: "_Step"
     swapped: bool                    # False for the last layer (kept on the device)
     items: list = dataclasses.field(default_factory=list)
-    by_key: dict = dataclasses.field(default_factory=dict)
+    by_storage: dict = dataclasses.field(default_factory=dict)  # storage ptr -> [_Item]
     handles: list = dataclasses.field(default_factory=list)   # weakrefs to _SwapHandles
     released: bool = False
 
@@ -231,7 +232,7 @@ class TensorSwapper:
         for item in layer.items:
             if item.state == _COPYING:
                 self._mover.wait(item.d2h_event, "d2h")
-                item.record.device = None
+                item.record.drop_device()
                 item.state = _ON_HOST
         layer.released = True
         if layer in self._copying:
@@ -242,13 +243,19 @@ class TensorSwapper:
         if (t.numel() * t.element_size() < self.min_tensor_bytes or not _movable(t, self.device)
                 or (check_fn is not None and not check_fn(t))):
             return _Kept(t)
-        key = _storage_key(t)
-        item = layer.by_key.get(key)
+        # NOTE [swap shares copies]: a save whose bytes an earlier copy of the same storage in
+        # this layer already holds (softmax's output and a matmul's reshaped view of it) reuses
+        # that copy and is rebuilt from it on reload (NOTE [one record per storage]); the last
+        # layer copies nothing, so all its views of a storage share one record.
+        key = _storage_ptr(t)
+        same = layer.by_storage.setdefault(key, [])
+        item = next((i for i in same if not layer.swapped or i.record.covers(t)), None)
         if item is None:
             record = _Record(t, layer, key)
+            record.plan()
             item = _Item(record, layer, len(layer.items), _COPYING if layer.swapped else _KEPT)
             layer.items.append(item)
-            layer.by_key[key] = item
+            same.append(item)
             layer.step.outstanding += 1
             self._outstanding += 1
             if layer.swapped:
@@ -256,7 +263,7 @@ class TensorSwapper:
                 if layer not in self._copying:
                     self._copying.append(layer)
         item.record.refs += 1
-        handle = _SwapHandle(item, t)
+        handle = _SwapHandle(item, item.record.add_view(t), t)
         layer.handles.append(weakref.ref(handle))
         return handle
 
@@ -277,7 +284,7 @@ class TensorSwapper:
         self._make_ready(item)
         if prefetch:
             self._prefetch(item)
-        out = rec.back
+        out = packed.view.back
         rec.refs -= 1
         if rec.refs == 0:
             rec.give_back(self.host_pool)
@@ -290,11 +297,11 @@ class TensorSwapper:
     def _make_ready(self, item: _Item) -> None:
         rec = item.record
         if item.state == _KEPT:
-            rec.back, rec.device = rec.device, None
+            rec.adopt()
         elif item.state == _COPYING:
             # never released (backward came right after forward): use the device tensor
             self._mover.wait(item.d2h_event, "d2h")
-            rec.back, rec.device = rec.device, None
+            rec.adopt()
             item.state = _READY
             layer = item.layer
             if layer in self._copying and not any(i.state == _COPYING for i in layer.items):
@@ -343,7 +350,8 @@ class TensorSwapper:
         self.host_pool.release()
 
     def swapped_bytes(self, module_tag: str) -> int:
-        """Bytes swapped to host by the current (or last) forward of ``module_tag``."""
+        """Bytes swapped to host by the current (or last) forward of ``module_tag``; saves whose
+        bytes an earlier copy already holds count once (NOTE [swap shares copies])."""
         tag = self._tags.get(module_tag)
         if tag is None:
             return 0

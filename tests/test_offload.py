@@ -402,6 +402,93 @@ def test_layouts_preserved(gen):
     assert _dense_strides_like(torch.empty(4, 6, 10)[:, :, :5].transpose(0, 1)) == (5, 30, 1)
 
 
+def test_views_of_one_storage_move_once(gen):
+    """Every storage is copied (and counted) once, however many of its views are saved."""
+    rows, width = 16, 32
+    params = [(torch.randn(*shape, generator=gen) + 1).requires_grad_()
+              for shape in ((width, 3 * width), (width, 2 * width), (rows, width))]
+    x0 = _input(gen, rows, width)
+
+    def forward(h):
+        w, w2, z = params
+        q, k, v = (h @ w).chunk(3, dim=-1)       # column slices of one storage, all saved
+        p = torch.softmax((q * k) * v, dim=-1)   # softmax saves p, the mm below saves p.t()
+        c = h @ w2                               # only a slice of c is saved (by sin)
+        return (p.t() @ z).sum() + torch.sin(c[:, :width]).sum()
+
+    def run(off=None):
+        x = x0.clone().requires_grad_()
+        if off is None:
+            forward(x * 1.5).backward()
+        else:
+            with off:
+                with off.group("g"):
+                    out = forward(x * 1.5)
+                with off.group("after"):         # its commit releases g's device memory
+                    out = out * 1
+            # regions moved: h (saved by both matmuls), the q/k/v storage (one span), q * k,
+            # p with p.t() (one span), the slice of c (packed on its own)
+            assert len(off.host_pool._in_use) == 5
+            out.backward()
+        grads = [t.grad.clone() for t in params + [x]]
+        for t in params:
+            t.grad = None
+        return grads
+
+    off = ActivationOffloader(min_tensor_bytes=256, device="cpu", keep_last=0)
+    ref = run()
+    _assert_same(run(off), ref)
+    assert ("h2d", "g") in off.transfer_log
+    region = rows * width * 4
+    assert off.summary() == {"g": 7 * region, "after": 0, "total": 7 * region}
+    assert off.host_pool.in_use_bytes == 0 and off._chunks == []
+
+
+def test_views_rebuilt_on_one_reload(gen):
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *ts):
+            ctx.save_for_backward(*ts)
+            return sum((t * (i + 1)).sum() for i, t in enumerate(ts))
+
+        @staticmethod
+        def backward(ctx, g):
+            saved = ctx.saved_tensors
+            seen.extend((t.shape, t.stride(), t.storage_offset(), t.untyped_storage().data_ptr(),
+                         t.clone()) for t in saved)
+            return tuple(torch.full_like(t, i + 1) * g for i, t in enumerate(saved))
+
+    def views(base):
+        fused = base * 1
+        q, k, v = fused.chunk(3, dim=-1)         # tile the storage: moved as one byte span
+        p = (base * 2)[:, 1:].t()                # one non-dense view: packed on its own
+        return [q, k, v, fused.view(-1), p]
+
+    base = (torch.randn(6, 30, generator=gen) + torch.arange(6.0)[:, None]).requires_grad_()
+    Probe.apply(*views(base)).backward()
+    ref, base.grad = base.grad, None
+    seen.clear()
+    off = ActivationOffloader(min_tensor_bytes=0, device="cpu", keep_last=0)
+    with off:
+        with off.group("views"):
+            saved = views(base)
+            expected = [(t.shape, t.stride(), t.detach().clone()) for t in saved]
+            out = Probe.apply(*saved)
+        with off.group("after"):
+            out = out * 1
+    assert off.summary()["views"] == 6 * 30 * 4 + 6 * 29 * 4
+    out.backward()
+    assert ("h2d", "views") in off.transfer_log
+    for (shape, stride, value), got in zip(expected[:4], seen[:4]):
+        assert (got[0], got[1]) == (shape, stride) and torch.equal(got[4], value)
+    assert [g[2] for g in seen[:4]] == [0, 10, 20, 0]           # offsets kept on the reload
+    assert len({g[3] for g in seen[:4]}) == 1                   # one reloaded storage
+    assert seen[4][1] == _dense_strides_like(saved[4]) and torch.equal(seen[4][4], expected[4][2])
+    assert torch.equal(base.grad, ref)
+
+
 def test_abandoned_forward_is_retired(gen):
     off = ActivationOffloader(min_tensor_bytes=1024, device="cpu", keep_last=0)
     x = torch.randn(32, 64, generator=gen).requires_grad_()

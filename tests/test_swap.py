@@ -219,6 +219,43 @@ def test_microbatches_restart_keys_and_abandoned_forward(gen):
     assert sw.host_pool.in_use_bytes == 0
 
 
+def test_views_of_one_storage_share_one_copy(gen):
+    z = (torch.randn(8, WIDTH, generator=gen) + 1).requires_grad_()
+    x0 = _input(gen, rows=8)
+
+    def layer(h):
+        p = torch.softmax(h, dim=-1)             # softmax saves p
+        y = p.t() @ z                            # mm saves p.t(): the same bytes
+        return (y.sum() + torch.sin(p[2:]).sum()) * h   # sin saves p[2:]: inside p's bytes
+
+    def run(sw=None):
+        x = x0.clone().requires_grad_()
+        h = x * 0.5
+        for _ in range(3):
+            if sw is None:
+                h = layer(h)
+            else:
+                with sw.swap("v.*"):
+                    h = layer(h)
+        h.pow(2).sum().backward()
+        grads = [x.grad.clone(), z.grad.clone()]
+        z.grad = None
+        return grads
+
+    sw = TensorSwapper(min_tensor_bytes=0, device="cpu")
+    ref = run()
+    for step in range(2):
+        sw.transfer_log.clear()
+        _assert_same(run(sw), ref)
+        d2h = [k for op, k in sw.transfer_log if op == "d2h"]
+        # per layer: p (shared by its three saves) and the two factors of the last product
+        swapped = 3 if step == 0 else 2                 # the last layer learned after step 0
+        assert [k for k in d2h if k[1] == 0] == [(l, 0) for l in range(swapped)]
+        assert len(d2h) == 3 * swapped, d2h
+        assert sw.swapped_bytes("v.*") == swapped * (8 * WIDTH * 4 + 4 + 8 * WIDTH * 4)
+        assert sw.host_pool.in_use_bytes == 0 and sw._outstanding == 0
+
+
 def test_default_swapper_is_shared():
     assert default_swapper() is default_swapper()
     scope = swap("z.*")
