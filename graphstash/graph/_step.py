@@ -69,6 +69,7 @@ class GraphStepStats:
     memory_before_capture: int | None = None
 
     def as_dict(self) -> dict:
+        """The counters as a plain ``dict`` (for logging or JSON)."""
         return dataclasses.asdict(self)
 
 

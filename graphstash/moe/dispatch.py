@@ -74,22 +74,27 @@ class DispatchHandle:
 
     @property
     def budget_rows(self) -> int:
+        """Rows of the permuted buffer (the static budget, padding included)."""
         return self.plan.budget_rows
 
     @property
     def num_tokens(self) -> int:
+        """Tokens dispatched (rows of ``x``)."""
         return self.plan.num_tokens
 
     @property
     def tokens_per_expert(self) -> torch.Tensor:
+        """int32 ``[num_local_experts]`` padded rows per expert, on the device."""
         return self.plan.tokens_per_expert
 
     @property
     def live_rows(self) -> torch.Tensor:
+        """int32 ``[1]`` rows in use at the top of the permuted buffer, on the device."""
         return self.plan.live_rows
 
     @property
     def over_budget(self) -> torch.Tensor:
+        """bool ``[1]`` on the device: True when this dispatch dropped rows."""
         return self.plan.over_budget
 
 

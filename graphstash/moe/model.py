@@ -179,6 +179,7 @@ class MoEModel(nn.Module):
         self.norm = nn.RMSNorm(config.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run every block over ``x`` (``[num_tokens, hidden]``, the model's device and dtype); same shape out."""
         if x.dim() != 2 or x.shape[1] != self.config.hidden:
             raise ValueError(f"x: expected [num_tokens, {self.config.hidden}] tokens, got "
                              f"shape {tuple(x.shape)}")

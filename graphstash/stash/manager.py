@@ -164,14 +164,17 @@ class StashManager:
 
     @property
     def pack_stream(self):
+        """The side stream stashes run on (``None`` on the CPU)."""
         return self._pack_stream
 
     @property
     def unpack_stream(self):
+        """The side stream reloads run on (``None`` on the CPU)."""
         return self._unpack_stream
 
     @property
     def released(self) -> bool:
+        """True between :meth:`release` and :meth:`reallocate`."""
         return self._released
 
     @property
