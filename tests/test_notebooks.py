@@ -53,6 +53,8 @@ def _run_in_process(path: pathlib.Path, tmp_path: pathlib.Path, monkeypatch) -> 
         display_mod.Image = lambda *a, **k: None
         ipython = types.ModuleType("IPython")
         ipython.display = display_mod
+        ipython.get_ipython = lambda: None      # matplotlib asks whether it runs in IPython
+        ipython.version_info = (0, 0, 0)
         monkeypatch.setitem(sys.modules, "IPython", ipython)
         monkeypatch.setitem(sys.modules, "IPython.display", display_mod)
     monkeypatch.chdir(tmp_path)
