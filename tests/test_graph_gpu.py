@@ -373,6 +373,7 @@ def _rank_main(rank, world, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
+    train_step = None
     try:
         torch.manual_seed(0)
         model = FlaggingMLP(dropout=0.0).cuda()
@@ -412,6 +413,11 @@ def _rank_main(rank, world, port, results):
             "eager_reruns": st.eager_reruns, "overflows": st.overflows,
         }
     finally:
+        # A graph that captured NCCL collectives must go before its communicator does, or
+        # destroy_process_group() waits on it forever.
+        if train_step is not None:
+            train_step.release()
+        torch.cuda.synchronize()
         dist.destroy_process_group()
 
 
