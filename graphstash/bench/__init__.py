@@ -9,6 +9,8 @@ SUITES = ("kernels", "stash", "graph", "moe", "offload")
 def add_arguments(parser) -> None:
     parser.add_argument("suite", nargs="?", default="kernels", choices=SUITES + ("all",))
     parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON")
+    parser.add_argument("--plot", dest="plot_dir", default=None,
+                        help="write one PNG figure per suite into this directory (matplotlib)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
 
 
@@ -26,4 +28,9 @@ def main(args) -> int:
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(results, f, indent=2)
+    if args.plot_dir:
+        from ._plots import write
+
+        for path in write(results, args.plot_dir):
+            print(f"wrote {path}")
     return 0

@@ -20,6 +20,7 @@ import time
 import warnings
 
 import torch
+from tqdm import tqdm
 
 from .. import _backend
 from . import experts as _experts
@@ -143,7 +144,10 @@ def _train(mode: str, config: MoEConfig, dev, dtype, batches, steps: int, seed: 
     every = max(1, steps // 5)
     timed_from = min(_WARMUP + 1, steps - 1) if graphed else min(1, steps - 1)
     losses, timed_s = [], 0.0
-    for i in range(steps):
+    # A live progress bar on a terminal (tqdm turns itself off when output is not a TTY);
+    # the periodic loss lines are printed either way.
+    progress = tqdm(range(steps), desc=f"  {mode}", unit="step", leave=False, disable=None)
+    for i in progress:
         shown = i % every == 0 or i == steps - 1
         before = train_step.stats if graphed and shown else None
         x, y = batches[i % len(batches)]
@@ -155,8 +159,9 @@ def _train(mode: str, config: MoEConfig, dev, dtype, batches, steps: int, seed: 
         losses.append(loss)
         if shown:
             after = train_step.stats if graphed else None
-            print(f"  step {i + 1:>4}/{steps}  loss {float(loss):.4f}  "
-                  f"{_what_ran(before, after, on_gpu)}", flush=True)
+            progress.write(f"  step {i + 1:>4}/{steps}  loss {float(loss):.4f}  "
+                           f"{_what_ran(before, after, on_gpu)}")
+        progress.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
     step_ms = timed_s / (steps - timed_from) * 1e3
     losses = [float(v) for v in losses]
     result = {"losses": losses, "step_ms": step_ms, "peak_mib": None,
