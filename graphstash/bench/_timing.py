@@ -11,8 +11,9 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name(torch.cuda.current_device())
 
 
-def capture(fn: Callable[[], None], warmup: int = 2) -> torch.cuda.CUDAGraph:
-    """Run ``fn`` eagerly ``warmup`` times on a side stream, then capture it in a graph."""
+def capture_with_output(fn: Callable[[], object], warmup: int = 2):
+    """Run ``fn`` eagerly ``warmup`` times on a side stream, then capture one call in a CUDA
+    graph; returns ``(graph, what the captured call returned)`` (its static outputs)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -22,14 +23,20 @@ def capture(fn: Callable[[], None], warmup: int = 2) -> torch.cuda.CUDAGraph:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
     torch.cuda.synchronize()
-    return graph
+    return graph, out
+
+
+def capture(fn: Callable[[], None], warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """Run ``fn`` eagerly ``warmup`` times on a side stream, then capture it in a graph."""
+    return capture_with_output(fn, warmup)[0]
 
 
 def time_replays(graph: torch.cuda.CUDAGraph, repeats: int = 7) -> float:
     """Median milliseconds of one replay of ``graph`` (CUDA events; one warm-up replay)."""
     graph.replay()
+    torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -41,9 +48,12 @@ def time_replays(graph: torch.cuda.CUDAGraph, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
-def time_calls(fn: Callable[[], None], repeats: int = 7, inner: int = 5) -> float:
-    """Median milliseconds per call of ``fn`` run eagerly ``inner`` times between events."""
-    fn()
+def time_calls(fn: Callable[[], None], repeats: int = 7, inner: int = 5, warmup: int = 1) -> float:
+    """Median milliseconds per call of ``fn`` in a steady state: ``warmup`` calls first, then
+    ``repeats`` samples of ``inner`` back-to-back calls between CUDA events (no sync inside a
+    sample, so host overhead shows only where it exceeds the GPU time)."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):

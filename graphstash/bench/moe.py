@@ -22,6 +22,7 @@ import torch
 from .. import _layout as L
 from ..moe import MoEConfig, MoEModel
 from ..moe import experts as _experts
+from ._timing import capture_with_output
 
 # Launch-bound: small layers, many of them; memory-bound: wide layers, many tokens.
 CONFIGS = {
@@ -33,20 +34,6 @@ CONFIGS = {
 QUICK = {"quick": MoEConfig(hidden=256, ffn=512, num_experts=8, topk=2, layers=4,
                             num_tokens=1024, capacity_factor=1.25, pad_multiple=16)}
 MODES = ("eager dropless", "graph + budget", "graph + budget + stash", "+ host tier")
-
-
-def _capture(step, warmup: int = 3):
-    """Warm ``step`` up on a side stream, then capture one call in a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    return graph, out
 
 
 def _stash_manager(mode: str, device, status):
@@ -94,7 +81,7 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
         return loss.detach()
 
     if graphed:
-        graph, _ = _capture(step)
+        graph, _ = capture_with_output(step, warmup=3)
         run = graph.replay
     else:
         for _ in range(2):

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import gc
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 from ..stash import StashConfig, StashManager, stash_activations
+from ._timing import capture, time_calls, time_replays
 
 
 class ExpertStack(torch.nn.Module):
@@ -202,54 +202,6 @@ def _mallocs(device) -> int:
     return torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
 
 
-def _time(fn, iters: int, warmup: int = 3, inner: int = 3) -> float:
-    """Median milliseconds per call of ``fn`` in a steady state: ``warmup`` calls first, then
-    ``iters`` samples of ``inner`` back-to-back calls between CUDA events (no sync inside a
-    sample, so host overhead shows only where it exceeds the GPU time)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / inner)
-    return statistics.median(samples)
-
-
-def _graphed(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
-def _time_replays(graph, iters: int) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
-
-
 def _kernel_overlap(fn) -> tuple[float, float] | None:
     """``(overlap, copy_ms)`` from a CUDA kernel trace of ``fn()``: the share of the stash and
     reload kernels' time (``gs_stash*``, ``gs_reload*``) during which some other kernel (the
@@ -359,17 +311,18 @@ def _config_run(name, layers, budget, hidden, ffn, iters, graphs, device, *,
     finally:
         torch.cuda.set_sync_debug_mode(mode)
     # ---- step time, steady state -----------------------------------------------------------
-    res["time_plain_ms"] = _time(lambda: _step(model, x, counts), iters)
+    res["time_plain_ms"] = time_calls(lambda: _step(model, x, counts), repeats=iters, inner=3, warmup=3)
     for _ in range(2):
         _step(model, x, counts, manager)
     torch.cuda.synchronize()
     mallocs = _mallocs(device)
-    res["time_stash_ms"] = _time(lambda: _step(model, x, counts, manager), iters)
+    res["time_stash_ms"] = time_calls(lambda: _step(model, x, counts, manager), repeats=iters, inner=3, warmup=3)
     res["mallocs_in_timed_stash_steps"] = _mallocs(device) - mallocs
     if _pool_state(manager) != pools:
         raise AssertionError("the stash pool was (re)allocated during the timed steps")
-    res["time_exact_ms"] = _time(lambda: model.forward_exact(x, [live] * layers).float()
-                                 .square().mean().backward(), iters)
+    res["time_exact_ms"] = time_calls(lambda: model.forward_exact(x, [live] * layers).float()
+                                      .square().mean().backward(), repeats=iters, inner=3,
+                                      warmup=3)
     # ---- overlap evidence --------------------------------------------------------------------
     # Event intervals: copies on the side streams against expert compute (forward, timed from
     # after the group's entry, so a wait for the previous stash is not counted as compute).
@@ -399,12 +352,12 @@ def _config_run(name, layers, budget, hidden, ffn, iters, graphs, device, *,
     # ---- CUDA graphs -----------------------------------------------------------------------
     if graphs:
         try:
-            g_plain = _graphed(lambda: _step(model, x, counts))
-            res["graph_plain_ms"] = _time_replays(g_plain, iters)
+            g_plain = capture(lambda: _step(model, x, counts))
+            res["graph_plain_ms"] = time_replays(g_plain, iters)
             del g_plain
             manager.clear_status()
-            g_stash = _graphed(lambda: _step(model, x, counts, manager))
-            res["graph_stash_ms"] = _time_replays(g_stash, iters)
+            g_stash = capture(lambda: _step(model, x, counts, manager))
+            res["graph_stash_ms"] = time_replays(g_stash, iters)
             del g_stash
             res["status_after"] = {k: v for k, v in manager.read_status().items()
                                    if k in ("overflow", "host_spill")}
