@@ -202,6 +202,10 @@ class StashManager:
         """Join the pack and unpack streams into the current stream and drop the step's
         references (call it before a CUDA graph capture ends)."""
         self._join()
+        self._close_step()
+
+    def _close_step(self) -> None:
+        """Finish the open step, retire its pending groups and forget its groups."""
         if self._step_open:
             self._finish_step()
         for g in self._pending:
@@ -418,14 +422,8 @@ class StashManager:
 
     def _invalidate_step(self) -> None:
         """Buffers change under the step: its handles are stale, its groups forgotten."""
-        if self._step_open:
-            self._finish_step()
-        for g in self._pending:
-            g.retire()
-        self._pending = []
-        self._groups = {}
+        self._close_step()
         self._live_entries = {}
-        self._step_open = False
         self._ring_generation += 1
 
     def _steps_apart(self) -> bool:
