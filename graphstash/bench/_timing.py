@@ -11,9 +11,11 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name(torch.cuda.current_device())
 
 
-def capture_with_output(fn: Callable[[], object], warmup: int = 2):
+def capture_with_output(fn: Callable[[], object], warmup: int = 2,
+                        before_capture: Callable[[], None] | None = None):
     """Run ``fn`` eagerly ``warmup`` times on a side stream, then capture one call in a CUDA
-    graph; returns ``(graph, what the captured call returned)`` (its static outputs)."""
+    graph; returns ``(graph, what the captured call returned)`` (its static outputs).
+    ``before_capture`` runs between the two (e.g. to reset peak-memory statistics)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -21,6 +23,8 @@ def capture_with_output(fn: Callable[[], object], warmup: int = 2):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    if before_capture is not None:
+        before_capture()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()

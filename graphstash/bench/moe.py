@@ -9,7 +9,10 @@ Modes, each a full training step (forward, backward, AdamW) of :class:`graphstas
 
 Run on one GPU, or expert-parallel under ``torchrun --nproc-per-node 2 -m graphstash.cli
 bench moe`` (WORLD_SIZE is detected; rank 0 prints). Peak memory is
-``torch.cuda.max_memory_allocated`` over the mode's whole run (build, warmup, capture, steps).
+``torch.cuda.max_memory_allocated`` over the capture and the timed steps (the eager steps
+before them, warmup and stash-pool sizing, are left out: NOTE [steady-state peak]), above the
+memory allocated before the model was built, so weights, optimizer state, the graph's pool and
+the stash pool all count.
 """
 from __future__ import annotations
 
@@ -80,12 +83,19 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
         opt.step()
         return loss.detach()
 
+    def steady_state():
+        # NOTE [steady-state peak]: warmup steps are left out of the peak: the first one runs
+        # before the stash pool is sized (it keeps every activation, as without stashing).
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
     if graphed:
-        graph, _ = capture_with_output(step, warmup=3)
+        graph, _ = capture_with_output(step, warmup=3, before_capture=steady_state)
         run = graph.replay
     else:
         for _ in range(2):
             step()
+        steady_state()
         run = step
     torch.cuda.synchronize(device)
     if group is not None:
