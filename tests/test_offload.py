@@ -11,22 +11,10 @@ from graphstash.offload import (ActivationOffloader, HostPool, OffloadError,
                                 format_bytes_table)
 from graphstash.swap import TensorSwapper
 
+from _marks import Marker
+
 WIDTH = 48
 ROWS = 24
-
-
-class _Marker(torch.autograd.Function):
-    """Identity that appends ``label`` to ``log`` when its backward runs."""
-
-    @staticmethod
-    def forward(ctx, x, log, label):
-        ctx.log, ctx.label = log, label
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.log.append(("bwd", ctx.label))
-        return grad, None, None
 
 
 def _blocks(gen, n=4, width=WIDTH):
@@ -63,11 +51,11 @@ def _step(blocks, x0, off=None, api="ctx", log=None):
                 else:
                     h = off.group_start(h, f"b{i}")
                     if log is not None:
-                        h = _Marker.apply(h, log, f"end b{i}")
+                        h = Marker.apply(h, log, f"end b{i}")
                     h = b(h)
                     h = off.group_commit(h, f"b{i}")
                     if log is not None:
-                        h = _Marker.apply(h, log, f"begin b{i}")
+                        h = Marker.apply(h, log, f"begin b{i}")
     h.pow(2).sum().backward()
     return _grads(blocks, x)
 

@@ -8,19 +8,9 @@ import torch
 from graphstash.offload import ActivationOffloader, OffloadError, SavedTensorModifiedError
 from graphstash.swap import TensorSwapper, default_swapper, swap
 
+from _marks import Marker
+
 WIDTH = 40
-
-
-class _Marker(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, log, label):
-        ctx.log, ctx.label = log, label
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.log.append(("bwd", ctx.label))
-        return grad, None, None
 
 
 def _layers(gen, n=4):
@@ -42,11 +32,11 @@ def _step(layers, x0, swapper=None, log=None, named=False, **kw):
             continue
         name = {"module_name": f"layers.{10 + i}.mlp"} if named else {}
         if log is not None:
-            h = _Marker.apply(h, log, f"end {i}")
+            h = Marker.apply(h, log, f"end {i}")
         with swap("layers.*.mlp", swapper=swapper, **name, **kw):
             h = layer(h)
         if log is not None:
-            h = _Marker.apply(h, log, f"begin {i}")
+            h = Marker.apply(h, log, f"begin {i}")
     h.pow(2).sum().backward()
     grads = [p.grad.clone() for l in layers for p in l.parameters()] + [x.grad.clone()]
     for l in layers:
