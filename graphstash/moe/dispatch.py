@@ -47,7 +47,11 @@ def default_status(device) -> torch.Tensor:
 def budget_rows(num_tokens: int, topk: int, num_experts: int, *, capacity_factor: float = 1.25,
                 pad_multiple: int | None = None, world_size: int = 1) -> int:
     """Rows of a static dispatch buffer: ``capacity_factor`` x the average rows of one rank,
-    plus room for each local expert's padding, rounded up to ``pad_multiple``."""
+    plus room for each local expert's padding, rounded up to ``pad_multiple``.
+
+    ``num_tokens`` counts the tokens of the whole expert-parallel group (``world_size``
+    ranks): with ``T`` tokens per rank pass ``T * world_size``; a rank then receives
+    ``T * topk`` rows on average, and ``capacity_factor=world_size`` fits any routing."""
     local_experts = max(1, num_experts // world_size)
     rows = math.ceil(capacity_factor * num_tokens * topk / world_size)
     if pad_multiple and pad_multiple > 1:

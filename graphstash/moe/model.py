@@ -103,7 +103,8 @@ class MoEBlock(nn.Module):
         budget = None
         chunk = None
         if mode != "dropless":
-            budget = budget_rows(x.shape[0], c.topk, c.num_experts,
+            # budget_rows takes the tokens of the whole group: x holds this rank's share.
+            budget = budget_rows(x.shape[0] * world, c.topk, c.num_experts,
                                  capacity_factor=c.capacity_factor, pad_multiple=c.pad_multiple,
                                  world_size=world)
             if group is not None and c.chunk_factor is not None:
