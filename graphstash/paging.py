@@ -445,7 +445,8 @@ class PagedStashBuffer:
                                "graphstash.warmup() before capturing")
         return True
 
-    def stash(self, x: torch.Tensor, num_tokens: torch.Tensor) -> PagedTensor:
+    def stash(self, x: torch.Tensor, num_tokens: torch.Tensor, *,
+              max_blocks: int | None = None) -> PagedTensor:
         """Copy the live rows of ``x`` into pages and return their handle.
 
         Args:
@@ -455,6 +456,9 @@ class PagedStashBuffer:
             num_tokens: int32/int64 ``(1,)`` or ``(S,)`` on ``self.device``: live rows. A count
                 below 0 or above the rows of its segment sets the overflow flag (reason
                 ``count``) and stores nothing.
+            max_blocks: at most this many thread blocks copy (CUDA kernels; default: as many
+                as fit on the device). Fewer blocks leave multiprocessors to compute running
+                beside the copy on another stream; the result is the same.
 
         Returns:
             A :class:`PagedTensor`. If the pool could not hold the rows, nothing is stored and
@@ -463,6 +467,7 @@ class PagedStashBuffer:
         self._require_live("stash")
         S, cap = self._check_x("x", x)
         counts = check_counts("num_tokens", num_tokens, device=self._device, segments=S)
+        _check_max_blocks(max_blocks)
         capturing = self._check_backend_capturable("stash")
         length = L.H_HEADER + S + S * (-(-cap // self._page_size))
         offset = self._slots.alloc(length)
@@ -474,7 +479,7 @@ class PagedStashBuffer:
         self._order_before(capturing)
         if self._backend == "cupy":
             _cupy_paged.paged_stash(self._pool, x.data_ptr(), S, cap, self._row_bytes, counts,
-                                    offset, self._device.index)
+                                    offset, self._device.index, max_blocks)
         else:
             src = x.view(torch.uint8).view(S, cap, self._row_bytes)
             _reference.stash(self._pool, src, counts, offset)
@@ -485,7 +490,7 @@ class PagedStashBuffer:
         return handle
 
     def reload(self, handle: PagedTensor, out: torch.Tensor | None = None,
-               zero_tail: bool = False) -> torch.Tensor:
+               zero_tail: bool = False, *, max_blocks: int | None = None) -> torch.Tensor:
         """Copy a stashed tensor's rows back and return its pages to the free lists.
 
         Args:
@@ -493,6 +498,7 @@ class PagedStashBuffer:
             out: optional destination with the stashed tensor's shape, dtype and device,
                 contiguous; by default a new tensor (``torch.empty``) is returned.
             zero_tail: also write zeros into the rows past the live count (per segment).
+            max_blocks: at most this many thread blocks copy (see :meth:`stash`).
 
         Returns:
             ``out``: rows ``[0, n)`` hold the stashed rows; other rows are untouched unless
@@ -510,6 +516,7 @@ class PagedStashBuffer:
                                    "release() or reallocate(); its pages were returned then")
         if not isinstance(zero_tail, bool):
             raise TypeError(f"zero_tail: expected a bool, got {type(zero_tail).__name__}")
+        _check_max_blocks(max_blocks)
         if out is None:
             out = torch.empty(handle.shape, dtype=self._dtype, device=self._device)
         else:
@@ -519,7 +526,7 @@ class PagedStashBuffer:
         if self._backend == "cupy":
             _cupy_paged.paged_reload(self._pool, out.data_ptr(), handle.num_segments,
                                      handle.rows_per_segment, self._row_bytes, handle._offset,
-                                     zero_tail, self._device.index)
+                                     zero_tail, self._device.index, max_blocks)
         else:
             dst = out.view(torch.uint8).view(handle.num_segments, handle.rows_per_segment,
                                              self._row_bytes)
@@ -632,3 +639,8 @@ def _check_status(name: str, status, device: torch.device) -> None:
 def new_status(device) -> torch.Tensor:
     """A zeroed int32 ``[8]`` status tensor on ``device`` to share among buffers."""
     return torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=_normalize_device(device))
+
+
+def _check_max_blocks(max_blocks) -> None:
+    if max_blocks is not None:
+        require_positive_int("max_blocks", max_blocks)

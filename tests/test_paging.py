@@ -323,6 +323,10 @@ def test_stash_rejects_bad_x_and_num_tokens():
         buf.stash(x.view(2, 4, H), counts(1))
     with pytest.raises(TypeError, match="num_tokens: "):
         buf.stash(x, 3)
+    with pytest.raises(ValueError, match="max_blocks: expected an int > 0, got 0"):
+        buf.stash(x, counts(1), max_blocks=0)
+    with pytest.raises(TypeError, match="max_blocks: expected an int, got float"):
+        buf.stash(x, counts(1), max_blocks=2.0)
     assert buf.read_status()["pages_in_use"] == 0 and not buf.read_status()["overflow"]
 
 
@@ -343,6 +347,8 @@ def test_reload_rejects_bad_handle_and_out():
         buf.reload(h, out=torch.empty(H, 8).t())
     with pytest.raises(TypeError, match="zero_tail"):
         buf.reload(h, zero_tail=1)
+    with pytest.raises(ValueError, match="max_blocks: "):
+        buf.reload(h, max_blocks=-3)
     # nothing above consumed the handle or its pages
     check_reloaded(buf.reload(h), x, [8])
     assert buf.read_status()["pages_in_use"] == 0

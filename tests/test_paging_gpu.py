@@ -32,20 +32,21 @@ def assert_same_pool(fast, ref):
     assert torch.equal(fast._pool.host_ring, ref._pool.host_ring)
 
 
-def run_sequence(buf, ops, dtype, hidden, segments, cap, count_dtype, seed):
-    """Replay a recorded op list on ``buf``; return the outputs and records, in order."""
+def run_sequence(buf, ops, dtype, hidden, segments, cap, count_dtype, seed, **launch):
+    """Replay a recorded op list on ``buf``; return the outputs and records, in order.
+    ``launch`` (e.g. ``max_blocks``) goes to every stash and reload."""
     outputs, records, live = [], [], []
     for i, (kind, arg) in enumerate(ops):
         if kind == "stash":
             shape = (cap, hidden) if segments == 0 else (segments, cap, hidden)
             x = pattern(shape, dtype, salt=seed + i, device="cuda")
             n = torch.tensor(arg, dtype=count_dtype, device="cuda")
-            live.append(buf.stash(x, n))
+            live.append(buf.stash(x, n, **launch))
             records.append(live[-1].record())
         else:
             h = live.pop(arg % len(live))
             target = pattern(h.shape, dtype, salt=10_000 + i, device="cuda")   # sentinel
-            buf.reload(h, out=target, zero_tail=(i % 3 == 0))
+            buf.reload(h, out=target, zero_tail=(i % 3 == 0), **launch)
             outputs.append(as_bytes(target).clone())
             records.append(h.record())
     return outputs, records
@@ -91,6 +92,23 @@ def test_kernels_equal_reference_on_random_sequences(dtype, hidden, segments):
         assert fast.read_status() == ref.read_status()
         fast.reset(clear_peaks=True)
         ref.reset(clear_peaks=True)
+
+
+@pytest.mark.parametrize("max_blocks", [1, 3])
+def test_capped_grid_equals_reference(max_blocks):
+    """A grid capped below the work units (NOTE [dynamic units]) still copies every unit."""
+    rng = random.Random(100 + max_blocks)
+    cap, hidden, segments = 300, 2048, 3          # 4 KiB rows: many units per tensor
+    fast, ref = pair(40 * 16, hidden, torch.bfloat16, host_tokens=20 * 16)
+    ops = random_ops(rng, 24, segments, cap)
+    out_f, rec_f = run_sequence(fast, ops, torch.bfloat16, hidden, segments, cap, torch.int32,
+                                5, max_blocks=max_blocks)
+    out_r, rec_r = run_sequence(ref, ops, torch.bfloat16, hidden, segments, cap, torch.int32, 5)
+    assert rec_f == rec_r
+    for a, b in zip(out_f, out_r):
+        assert torch.equal(a, b)
+    assert_same_pool(fast, ref)
+    assert fast.read_status() == ref.read_status()
 
 
 def test_large_tensor_roundtrip_and_spill_in_the_middle():

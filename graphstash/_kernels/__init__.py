@@ -186,9 +186,10 @@ _launchers: dict[tuple[int, str, str, int], tuple] = {}
 
 
 def launch(module_name: str, kernel: str, items: int, device_index: int, args: tuple,
-           shared_mem: int = 0) -> None:
+           shared_mem: int = 0, max_blocks: int | None = None) -> None:
     """Launch ``kernel`` on torch's current stream: a persistent grid of the blocks that fit on
-    the device at once, but no more than ``items`` (units of work the launch may find)."""
+    the device at once, but no more than ``items`` (units of work the launch may find) and,
+    if given, no more than ``max_blocks`` (to leave multiprocessors to concurrent work)."""
     key = (device_index, module_name, kernel, shared_mem)
     entry = _launchers.get(key)
     if entry is None:
@@ -197,7 +198,7 @@ def launch(module_name: str, kernel: str, items: int, device_index: int, args: t
                  resident_blocks(device_index, module_name, kernel, shared_mem))
         _launchers[key] = entry
     raw, function, blocks = entry
-    grid = (max(1, min(items, blocks)), 1, 1)
+    grid = (max(1, min(items, blocks, max_blocks or blocks)), 1, 1)
     stream = _cupy_stream(device_index)
     if function is not None:
         try:   # the compiled function takes the stream directly: no current-stream switch

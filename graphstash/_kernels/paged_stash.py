@@ -21,27 +21,29 @@ def _segment_smem(S: int) -> int:
 
 
 def paged_stash(pool, src_ptr: int, S: int, cap: int, row_bytes: int, counts: torch.Tensor,
-                rec_offset: int, device_index: int) -> None:
+                rec_offset: int, device_index: int, max_blocks: int | None = None) -> None:
     """Launch ``gs_stash_v*``; same contract as :func:`graphstash.reference.paged_stash.stash`,
-    with the tensor given as its address and ``[S, cap, row_bytes]`` geometry."""
+    with the tensor given as its address and ``[S, cap, row_bytes]`` geometry; at most
+    ``max_blocks`` blocks if given (NOTE [dynamic units]: any grid size copies everything)."""
     width = vector_width(row_bytes, src_ptr, pool.dev_pages_ptr, pool.host_pages_ptr)
     args = (np.uint64(src_ptr), np.int64(cap * row_bytes), np.int64(row_bytes), np.int32(S),
             np.int32(cap), ptr(counts), np.int32(counts.dtype == torch.int64),
             *pool.kernel_args[0], np.uint64(pool.table_ptr + 4 * rec_offset))
     launch("paged_stash", f"gs_stash_v{width}", _chunks(S * cap * row_bytes, width),
-           device_index, args, shared_mem=_segment_smem(S))
+           device_index, args, shared_mem=_segment_smem(S), max_blocks=max_blocks)
 
 
 def paged_reload(pool, dst_ptr: int, S: int, cap: int, row_bytes: int, rec_offset: int,
-                 zero_tail: bool, device_index: int) -> None:
+                 zero_tail: bool, device_index: int, max_blocks: int | None = None) -> None:
     """Launch ``gs_reload_v*``; same contract as :func:`graphstash.reference.paged_stash.reload`,
-    with the output given as its address and ``[S, cap, row_bytes]`` geometry."""
+    with the output given as its address and ``[S, cap, row_bytes]`` geometry; at most
+    ``max_blocks`` blocks if given."""
     width = vector_width(row_bytes, dst_ptr, pool.dev_pages_ptr, pool.host_pages_ptr)
     args = (np.uint64(dst_ptr), np.int64(cap * row_bytes), np.int64(row_bytes), np.int32(S),
             np.int32(cap), *pool.kernel_args[1], np.uint64(pool.table_ptr + 4 * rec_offset),
             np.int32(bool(zero_tail)))
     launch("paged_stash", f"gs_reload_v{width}", _chunks(S * cap * row_bytes, width),
-           device_index, args, shared_mem=_segment_smem(S))
+           device_index, args, shared_mem=_segment_smem(S), max_blocks=max_blocks)
 
 
 def pool_kernel_args(pool) -> tuple[tuple, tuple]:
