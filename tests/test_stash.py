@@ -392,6 +392,48 @@ def test_config_validation():
         StashManager(StashConfig(backend="triton"), device="cpu")
     with pytest.raises(TypeError, match="config"):
         StashManager({"page_size": 64}, device="cpu")
+    with pytest.raises(ValueError, match="copy_blocks: expected an int >= 0, got -1"):
+        StashManager(StashConfig(copy_blocks=-1), device="cpu")
+
+
+def test_zero_tail_and_copy_blocks_reach_the_buffers(monkeypatch, gen):
+    """stash_activations(zero_tail=False) reloads without zero-filling; copy_blocks caps the
+    grid of every stash and reload (0: no cap)."""
+    model = _model(gen, layers=3)
+    inputs = make_inputs(1, B, H, generator=gen)
+    counts = _counts(gen, 1, layers=3)
+    with pytest.raises(TypeError, match="zero_tail: expected a bool, got int"):
+        with stash_activations(counts[0][0], manager=StashManager(device="cpu"), zero_tail=1):
+            pass
+    for blocks, expected in ((0, None), (5, 5)):
+        manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=B,
+                                           copy_blocks=blocks), device="cpu")
+        calls = []
+        from graphstash.paging import PagedStashBuffer
+        real_stash, real_reload = PagedStashBuffer.stash, PagedStashBuffer.reload
+
+        def stash(self, x, n, **kw):
+            calls.append(("stash", kw))
+            return real_stash(self, x, n, **kw)
+
+        def reload(self, h, **kw):
+            calls.append(("reload", kw))
+            return real_reload(self, h, **kw)
+
+        monkeypatch.setattr(PagedStashBuffer, "stash", stash)
+        monkeypatch.setattr(PagedStashBuffer, "reload", reload)
+        real_context = stash_activations
+
+        class NoZeroTail(real_context):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, zero_tail=False, **kw)
+
+        monkeypatch.setattr("graphstash.bench.stash.stash_activations", NoZeroTail)
+        _run(model, inputs, counts, [("F", 0, 0), ("B", 0, 0)], 1, manager)
+        monkeypatch.undo()
+        assert {k for k, _ in calls} == {"stash", "reload"}
+        assert all(kw["max_blocks"] == expected for _, kw in calls)
+        assert all(kw["zero_tail"] is False for k, kw in calls if k == "reload")
 
 
 def test_capture_error_is_raised_before_anything_breaks(monkeypatch, gen):

@@ -9,15 +9,17 @@ class Scope:
     """One ``stash_activations`` context: the live-row counts its saved tensors go with.
 
     ``num_tokens`` is an int32/int64 ``(S,)`` tensor on the manager's device; ``max_tokens``
-    pins the budget (rows, or rows per segment) or is ``None`` (inferred; NOTE [budget]).
+    pins the budget (rows, or rows per segment) or is ``None`` (inferred; NOTE [budget]);
+    ``zero_tail`` says whether reloads zero the rows past the counts (NOTE [padding rows]).
     """
 
-    __slots__ = ("num_tokens", "segments", "max_tokens", "snapshot", "counts_host")
+    __slots__ = ("num_tokens", "segments", "max_tokens", "zero_tail", "snapshot", "counts_host")
 
-    def __init__(self, num_tokens: torch.Tensor, max_tokens: int | None):
+    def __init__(self, num_tokens: torch.Tensor, max_tokens: int | None, zero_tail: bool = True):
         self.num_tokens = num_tokens
         self.segments = num_tokens.shape[0]
         self.max_tokens = max_tokens
+        self.zero_tail = zero_tail
         self.snapshot = None        # clone of num_tokens taken when the group's stash is issued
         self.counts_host = None     # counts read back in a warmup step (NOTE [warmup sizing])
 

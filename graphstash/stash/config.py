@@ -21,6 +21,9 @@ class StashConfig:
         initial_tokens: device rows of a buffer created before any demand was measured; 0
             keeps saved tensors un-stashed until the demand of a warmup step sized it.
         backend: ``"auto"``, ``"cupy"`` or ``"reference"`` (see :class:`PagedStashBuffer`).
+        copy_blocks: thread blocks one stash or reload may use on the side streams (0: as
+            many as fit on the device). The copies run beside compute; capping them leaves
+            multiprocessors to that compute (NOTE [copy blocks] in ``manager.py``).
     """
 
     page_size: int = 64
@@ -30,6 +33,7 @@ class StashConfig:
     min_tensor_bytes: int = 1 << 16
     initial_tokens: int = 0
     backend: str = "auto"
+    copy_blocks: int = 0
 
     def validate(self) -> None:
         """Raise TypeError/ValueError naming the first field that is out of range."""
@@ -44,5 +48,6 @@ class StashConfig:
             raise TypeError(f"host_tier: expected a bool, got {type(self.host_tier).__name__}")
         require_positive_int("min_tensor_bytes", self.min_tensor_bytes, allow_zero=True)
         require_positive_int("initial_tokens", self.initial_tokens, allow_zero=True)
+        require_positive_int("copy_blocks", self.copy_blocks, allow_zero=True)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")

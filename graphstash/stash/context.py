@@ -58,6 +58,10 @@ class stash_activations:
         name: label of the group in the recorded schedule and in error messages.
         max_tokens: the budget (rows, or rows per segment); default: inferred (NOTE [budget]
             in ``graphstash/stash/manager.py``).
+        zero_tail: reloads write zeros into the rows past the counts (default), so no
+            backward sees stale memory there (NOTE [padding rows]). ``False`` skips those
+            writes (less memory traffic); pass it only when no backward reads the rows past
+            the counts, e.g. expert GEMMs bounded by per-expert offsets.
 
     Contexts of the same manager may nest: the inner one's tensors belong to the outer group
     but go with the inner ``num_tokens``. Nesting contexts of different managers is an error.
@@ -71,11 +75,13 @@ class stash_activations:
     """
 
     def __init__(self, num_tokens, *, manager: StashManager | None = None,
-                 name: str | None = None, max_tokens: int | None = None):
+                 name: str | None = None, max_tokens: int | None = None,
+                 zero_tail: bool = True):
         self._num_tokens = num_tokens
         self._manager = manager
         self._name = name
         self._max_tokens = max_tokens
+        self._zero_tail = zero_tail
         self._entered = False
         self._noop = False
         self._outer = False
@@ -104,7 +110,7 @@ class stash_activations:
             raise ValueError(
                 f"manager: this stash_activations context is nested inside one of another "
                 f"StashManager (group {outer.label}); nested contexts must share a manager")
-        scope = Scope(self._num_tokens, self._max_tokens)
+        scope = Scope(self._num_tokens, self._max_tokens, self._zero_tail)
         if stack:
             group = stack[-1][1]
         else:
@@ -146,6 +152,8 @@ class stash_activations:
                              f"{_kernels.MAX_SEGMENTS}, got {describe(n)}")
         if not n.is_contiguous():
             raise ValueError(f"num_tokens: expected a contiguous tensor, got strides {n.stride()}")
+        if not isinstance(self._zero_tail, bool):
+            raise TypeError(f"zero_tail: expected a bool, got {type(self._zero_tail).__name__}")
         if self._name is not None and not isinstance(self._name, str):
             raise TypeError(f"name: expected a str or None, got {type(self._name).__name__}")
         m = self._max_tokens

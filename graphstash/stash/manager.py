@@ -34,11 +34,17 @@ kernels keep measuring demand on the device (pages wanted, stored or not), and
 ``size_from_demand()`` re-sizes every buffer from the highest mark seen so far.
 
 NOTE [padding rows]: a reload writes the live rows and zeros the rows past the count
-(``zero_tail``): the reloaded tensor differs from the original only in rows whose content no
+(``zero_tail``, unless the context passed ``zero_tail=False``): the reloaded tensor differs from the original only in rows whose content no
 correct backward may depend on (the forward masked them out), and zeros keep garbage (NaN,
 Inf) out of reductions such as weight gradients, ``0 * x`` being exactly 0 for finite ``x``.
 A stash that overflowed stores nothing and its reload writes nothing: the step is untrusted
 (the status says so), the free lists stay consistent, and no other tensor is written.
+
+NOTE [copy blocks]: the stash and reload kernels are persistent grids that fill every
+multiprocessor; beside a compute kernel that also wants every multiprocessor (a GEMM) the two
+take turns rather than share. ``StashConfig.copy_blocks`` caps the copy grid so the compute
+keeps most multiprocessors and the copy trickles beside it (the kernels hand out work
+dynamically, so any grid copies everything).
 
 NOTE [entry cycle]: an ``Entry`` points to its ``Group`` (the unpack hook needs the group's
 state) and ``Group.entries`` points back, so the two form a reference cycle. Kept tensors
@@ -573,7 +579,8 @@ class StashManager:
                 start = self._timing_event(stream)
                 for e in entries:
                     buf = self._buffers[e.key]
-                    e.handle = buf.stash(e.stash_view(), e.scope.snapshot)
+                    e.handle = buf.stash(e.stash_view(), e.scope.snapshot,
+                                         max_blocks=self.config.copy_blocks or None)
                     e.stashed = True
                     self._note_entries(e.key, e.record_len)
                 end = self._timing_event(stream)
@@ -625,7 +632,8 @@ class StashManager:
             with ctx:
                 start = self._timing_event(stream)
                 for e, out in zip(stashed, outs):
-                    self._buffers[e.key].reload(e.handle, out=out, zero_tail=True)
+                    self._buffers[e.key].reload(e.handle, out=out, zero_tail=e.scope.zero_tail,
+                                                max_blocks=self.config.copy_blocks or None)
                     e.out = out.view(e.shape)
                     e.handle = None
                     self._note_entries(e.key, -e.record_len)
