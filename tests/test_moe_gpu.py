@@ -271,3 +271,70 @@ def test_model_graph_step_matches_eager(gen, dtype):
         for a, b in zip(graphed.parameters(), eager.parameters()):
             torch.testing.assert_close(a, b, **tol)
     assert int(status[L.SS_OVER_BUDGET]) == 0
+
+
+def _poison_free_memory(mib: int = 256):
+    """Leave ``mib`` MiB of NaN as the allocator's only free large segment, so the large
+    tensors allocated next (every budget-sized one here is over 1 MiB) start out NaN: a
+    reload that leaves rows past the count alone and a backward that read them would show."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    blob = torch.full((mib << 18,), float("nan"), dtype=torch.float32, device="cuda")
+    del blob
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_model_stash_mode_gradients_equal_budget_mode(gen, dtype):
+    """Stash mode against budget mode, bitwise: eagerly and replayed from a CUDA graph. bf16
+    runs the native grouped GEMM under capture, so its reloads skip the zero fill (NOTE
+    [expert rows past the count] in moe/model.py); float32 captures the masked fallback, which
+    needs it. Free memory is poisoned with NaN before every step."""
+    from graphstash.bench._timing import capture_with_output
+    from graphstash.stash import StashConfig, StashManager
+
+    config = MoEConfig(hidden=256, ffn=512, num_experts=8, topk=2, layers=4, num_tokens=2048,
+                       capacity_factor=2.0, pad_multiple=8)
+    status = _status("cuda")
+    # Default min_tensor_bytes: the float32 capture's masked fallback saves [rows, 1] masks
+    # that the eager warmup (per-expert loop) never made; they are too small to stash.
+    manager = StashManager(StashConfig(copy_blocks=3), device="cuda", status=status)
+    models = {"budget": MoEModel(config, mode="budget", status=status, seed=3),
+              "stash": MoEModel(config, mode="stash", stash_manager=manager, status=status,
+                                seed=3)}
+    for m in models.values():
+        m.to("cuda", dtype)
+    static_x = torch.empty(config.num_tokens, config.hidden, device="cuda", dtype=dtype)
+
+    def step(mode):
+        model = models[mode]
+        model.zero_grad(set_to_none=False)
+        if mode == "stash":
+            manager.begin_step()
+        loss = model(static_x).float().pow(2).mean()
+        loss.backward()
+        if mode == "stash":
+            manager.end_step()
+        return [loss.detach()] + [p.grad for p in model.parameters()]
+
+    def check(got, want):
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"output {i}: max difference {(a - b).abs().max()}"
+
+    for i in range(3):          # eager; the first stash step measures demand and sizes the pool
+        static_x.copy_(tokens(config.num_tokens, config.hidden, gen).cuda() / (i + 1))
+        _poison_free_memory()
+        want = [t.clone() for t in step("budget")]
+        _poison_free_memory()
+        check(step("stash"), want)
+    assert manager.buffers, "the stash pool was never created"
+    graphs = {mode: capture_with_output(lambda mode=mode: step(mode), warmup=2)
+              for mode in models}
+    for i in range(3):
+        static_x.copy_(tokens(config.num_tokens, config.hidden, gen).cuda() * (i + 2))
+        graphs["budget"][0].replay()
+        want = [t.clone() for t in graphs["budget"][1]]
+        _poison_free_memory()
+        graphs["stash"][0].replay()
+        check(graphs["stash"][1], want)
+    status_now = manager.read_status()
+    assert not status_now["overflow"] and not status_now["over_budget"]

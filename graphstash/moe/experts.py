@@ -13,7 +13,7 @@ import torch
 
 from .._checks import describe, is_capturing, require_tensor
 
-__all__ = ["grouped_mm"]
+__all__ = ["grouped_mm", "reads_rows_past_counts"]
 
 # NOTE [grouped_mm under capture]
 # On CUDA, torch._grouped_mm has a CUTLASS path only for bf16 on sm90/sm100 with 16-byte
@@ -222,6 +222,14 @@ def _probe_capture(device, dtype) -> bool:
             pass
         del graph
     return ok and captured
+
+
+def reads_rows_past_counts(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``grouped_mm(x, weight, ...)`` called here, now, with ``impl="auto"`` reads the
+    rows of ``x`` past the expert counts in its backward: only the masked dense fallback
+    does (its weight gradient multiplies them by zero, so they must be finite). The native
+    grouped GEMM and the per-expert loop touch only the rows inside the offsets."""
+    return is_capturing() and not _native_ok(x, weight)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dispatch import budget_rows, combine, dispatch
-from .experts import grouped_mm
+from .experts import grouped_mm, reads_rows_past_counts
 
 MODES = ("dropless", "budget", "stash")
 
@@ -115,8 +115,14 @@ class MoEBlock(nn.Module):
         if mode == "stash":
             from ..stash import stash_activations
 
+            # NOTE [expert rows past the count]: the expert GEMMs read only rows inside the
+            # per-expert offsets, so a reload need not zero the rows past the live count
+            # (half the reload's writes at a 2x budget) - unless the masked dense fallback
+            # runs, whose weight gradient multiplies those rows by zero.
+            zero_tail = (reads_rows_past_counts(permuted, self.w1)
+                         or reads_rows_past_counts(permuted.new_empty(0, c.ffn), self.w2))
             with stash_activations(handle.live_rows, manager=stash_manager, name="moe.experts",
-                                   max_tokens=handle.budget_rows):
+                                   max_tokens=handle.budget_rows, zero_tail=zero_tail):
                 out = combine(self._experts(permuted, counts), handle)
         else:
             out = combine(self._experts(permuted, counts), handle)
