@@ -1,0 +1,174 @@
+"""How fast can a kernel move bytes between device memory and pinned host memory?
+
+The host tier of the paged stash moves its pages with the kernel's own loads and stores over
+PCIe, not with the copy engines (no host code knows which pages a stash took). This program
+measures, in one run, each direction of a ``bytes``-sized transfer three ways:
+
+- ``copy_``: torch ``copy_(non_blocking=True)`` (the copy engines), the baseline;
+- ``vector``: a grid-stride kernel of 16-byte loads and stores, ``unroll`` in flight per
+  thread (what the stash kernels do today);
+- ``bulk``: a kernel that moves ``chunk``-byte pieces with ``cp.async.bulk`` (global to shared
+  memory, then shared memory to global), ``stages`` pieces in flight per block, one thread
+  issuing (sm_90 and later).
+
+Usage: ``python tools/pcie_probe.py [--mib 90] [--reps 10]``; prints GB/s and the ratio to
+``copy_`` per direction and variant. Needs a CUDA GPU and CuPy.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+SOURCE = r"""
+extern "C" __global__ void __launch_bounds__(512)
+vector_copy(const uint4* __restrict__ src, uint4* __restrict__ dst, long long n_vec) {
+    constexpr int U = UNROLL;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + (U - 1) * stride < n_vec; i += U * stride) {
+        uint4 r[U];
+        #pragma unroll
+        for (int k = 0; k < U; ++k) r[k] = src[i + k * stride];
+        #pragma unroll
+        for (int k = 0; k < U; ++k) dst[i + k * stride] = r[k];
+    }
+    for (; i < n_vec; i += stride) dst[i] = src[i];
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+extern "C" __global__ void bulk_copy(const unsigned char* __restrict__ src,
+                                     unsigned char* __restrict__ dst, long long bytes) {
+    extern __shared__ __align__(128) unsigned char stage_mem[];
+    __shared__ __align__(8) unsigned long long bars[STAGES];
+    if (threadIdx.x != 0) return;
+    for (int s = 0; s < STAGES; ++s)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&bars[s])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    const long long n_chunks = (bytes + CHUNK - 1) / CHUNK;
+    auto chunk_of = [&](long long k) { return blockIdx.x + k * (long long)gridDim.x; };
+    auto load = [&](long long k) {
+        const long long c = chunk_of(k);
+        if (c >= n_chunks) return;
+        const int s = (int)(k % STAGES);
+        const unsigned size = (unsigned)min((long long)CHUNK, bytes - c * CHUNK);
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     :: "r"(smem_addr(&bars[s])), "r"(size) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                     "[%0], [%1], %2, [%3];"
+                     :: "r"(smem_addr(stage_mem + s * CHUNK)), "l"(src + c * CHUNK), "r"(size),
+                        "r"(smem_addr(&bars[s])) : "memory");
+    };
+    for (int k = 0; k < STAGES; ++k) load(k);
+    for (long long k = 0; chunk_of(k) < n_chunks; ++k) {
+        const long long c = chunk_of(k);
+        const int s = (int)(k % STAGES);
+        const unsigned parity = (unsigned)((k / STAGES) & 1);
+        unsigned done = 0;
+        do {
+            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
+                         " selp.u32 %0, 1, 0, p; }"
+                         : "=r"(done) : "r"(smem_addr(&bars[s])), "r"(parity) : "memory");
+        } while (!done);
+        const unsigned size = (unsigned)min((long long)CHUNK, bytes - c * CHUNK);
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                     :: "l"(dst + c * CHUNK), "r"(smem_addr(stage_mem + s * CHUNK)), "r"(size)
+                     : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        load(k + STAGES);
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+"""
+
+
+def _module(unroll: int, chunk: int, stages: int):
+    import cupy
+
+    opts = ("--std=c++17", f"-DUNROLL={unroll}", f"-DCHUNK={chunk}", f"-DSTAGES={stages}")
+    return cupy.RawModule(code=SOURCE, options=opts)
+
+
+def _time(fn, reps: int) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` event-timed calls (after two warmups)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=float, default=89.6, help="bytes moved per transfer (MiB)")
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args(argv)
+    import cupy
+
+    nbytes = int(args.mib * 2**20) // 16 * 16
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.random_(0, 255)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.copy_(dev.flip(0).cpu())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
+    print(f"{torch.cuda.get_device_name()}: {nbytes / 2**20:.1f} MiB per transfer, "
+          f"{sms} SMs, median of {args.reps}")
+
+    def gbs(ms):
+        return nbytes / ms / 1e6
+
+    directions = {"H2D": (host, dev), "D2H": (dev, host)}
+    for name, (src, dst) in directions.items():
+        ref = _time(lambda: dst.copy_(src, non_blocking=True), args.reps)
+        print(f"\n{name}: copy_ {ref:.3f} ms ({gbs(ref):.1f} GB/s)")
+        rows = []
+        for unroll, blocks_per_sm in ((8, 1), (8, 2), (4, 4), (16, 1)):
+            kernel = _module(unroll, 16384, 4).get_function("vector_copy")
+            grid = sms * blocks_per_sm
+
+            def vec(kernel=kernel, grid=grid, src=src, dst=dst):
+                with stream:
+                    kernel((grid,), (512,), (src.data_ptr(), dst.data_ptr(),
+                                             cupy.int64(nbytes // 16)))
+            rows.append((f"vector unroll {unroll}, {blocks_per_sm} x 512 threads/SM",
+                         _time(vec, args.reps), src, dst))
+        for chunk, stages, blocks_per_sm in ((16384, 4, 2), (32768, 3, 2), (8192, 8, 3),
+                                             (65536, 2, 1), (4096, 8, 4)):
+            kernel = _module(8, chunk, stages).get_function("bulk_copy")
+            smem = chunk * stages
+            kernel.max_dynamic_shared_size_bytes = smem
+            grid = sms * blocks_per_sm
+
+            def bulk(kernel=kernel, grid=grid, smem=smem, src=src, dst=dst):
+                with stream:
+                    kernel((grid,), (32,), (src.data_ptr(), dst.data_ptr(), cupy.int64(nbytes)),
+                           shared_mem=smem)
+            rows.append((f"bulk {chunk // 1024} KiB x {stages} stages, {blocks_per_sm} blocks/SM",
+                         _time(bulk, args.reps), src, dst))
+        for label, ms, _, _ in rows:
+            print(f"  {label:<44} {ms:.3f} ms {gbs(ms):7.1f} GB/s  ratio {ref / ms:.3f}")
+        # the bytes of the last vector and bulk variants
+        dst.zero_()
+        bulk()
+        torch.cuda.synchronize()
+        print(f"  bytes equal after bulk: {bool(torch.equal(dst.cpu(), src.cpu()))}")
+        dst.zero_()
+        vec()
+        torch.cuda.synchronize()
+        print(f"  bytes equal after vector: {bool(torch.equal(dst.cpu(), src.cpu()))}")
+
+
+if __name__ == "__main__":
+    main()
