@@ -56,7 +56,8 @@ def _assert_same(a, b):
 @pytest.mark.parametrize("segments", [1, 3])
 def test_bitwise_gradients_lifo(gen, segments):
     model = _model(gen, segments=segments)
-    manager = StashManager(StashConfig(min_tensor_bytes=0), device="cpu")
+    # 2x the first step's demand: later steps draw new counts and must not overflow
+    manager = StashManager(StashConfig(min_tensor_bytes=0, device_factor=2.0), device="cpu")
     order = one_f_one_b(1, 1)
     for step in range(3):
         inputs = make_inputs(1, B, H, segments=segments, generator=gen)
@@ -71,17 +72,23 @@ def test_bitwise_gradients_lifo(gen, segments):
     assert all(s["peak_pages"] > 0 and s["pages_in_use"] == 0 for s in status["buffers"].values())
 
 
-def test_bitwise_gradients_interleaved_1f1b_with_prefetch(gen):
+@pytest.mark.parametrize("prefetch", ["after_release", "at_last_unpack"])
+def test_bitwise_gradients_interleaved_1f1b_with_prefetch(gen, prefetch):
     chunks, micro = 2, 4
     model = _model(gen)
-    manager = StashManager(StashConfig(min_tensor_bytes=0), device="cpu")
+    # Counts are drawn anew every step: a pool of 2x the first step's demand never overflows
+    # (an overflowed step is untrusted and its reloads write nothing).
+    manager = StashManager(StashConfig(min_tensor_bytes=0, prefetch=prefetch, device_factor=2.0),
+                           device="cpu")
     order = one_f_one_b(micro, chunks)
     for step in range(3):
         inputs = make_inputs(micro, B, H, generator=gen)
         counts = _counts(gen, micro)
         ref = _run(model, inputs, counts, order, chunks)
         manager._trace = []
-        _assert_same(ref, _run(model, inputs, counts, order, chunks, manager))
+        got = _run(model, inputs, counts, order, chunks, manager)
+        assert not manager.read_status()["overflow"]
+        _assert_same(ref, got)
         if step == 2:
             trace = manager._trace
             stashed = [g for kind, g in trace if kind == "stash"]
@@ -97,6 +104,46 @@ def test_bitwise_gradients_interleaved_1f1b_with_prefetch(gen):
             assert reloads != list(reversed(stashed))
     schedule = manager.schedule
     assert [e[0] for e in schedule].count("B") == micro * L
+
+
+class _LoggedSave(torch.autograd.Function):
+    """``x * 2``, saving ``x``; its backward unpacks ``x`` then logs ``("bwd", label)``."""
+
+    @staticmethod
+    def forward(ctx, x, log, label):
+        ctx.save_for_backward(x)
+        ctx.log, ctx.label = log, label
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        ctx.log.append(("bwd", ctx.label))
+        return grad * 2 + 0 * x, None, None
+
+
+@pytest.mark.parametrize("prefetch", ["after_release", "at_last_unpack"])
+def test_prefetch_point(gen, prefetch):
+    """The next group's reload is issued after the backward op holding the group's last saved
+    tensor ran (after_release), or as that tensor is unpacked, before the op (at_last_unpack)."""
+    manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=4 * B,
+                                       prefetch=prefetch), device="cpu")
+    n = torch.tensor([B // 3])
+    x = torch.rand(B, 6, generator=gen, requires_grad=True)
+    for step in range(2):                  # the first step records the schedule
+        log = manager._trace = []
+        manager.begin_step()
+        h = x * 1
+        for label in range(3):
+            with stash_activations(n, manager=manager, name=f"g{label}"):
+                h = _LoggedSave.apply(h, log, label)
+        h.sum().backward()
+        manager.end_step()
+    log = [e for e in log if e[0] != "stash"]
+    if prefetch == "after_release":
+        assert log == [("bwd", 2), ("prefetch", 1), ("bwd", 1), ("prefetch", 0), ("bwd", 0)]
+    else:
+        assert log == [("prefetch", 1), ("bwd", 2), ("prefetch", 0), ("bwd", 1), ("bwd", 0)]
 
 
 def test_first_step_measures_demand_then_sizes(gen):
@@ -394,6 +441,8 @@ def test_config_validation():
         StashManager({"page_size": 64}, device="cpu")
     with pytest.raises(ValueError, match="copy_blocks: expected an int >= 0, got -1"):
         StashManager(StashConfig(copy_blocks=-1), device="cpu")
+    with pytest.raises(ValueError, match="prefetch: expected one of"):
+        StashManager(StashConfig(prefetch="eager"), device="cpu")
 
 
 def test_zero_tail_and_copy_blocks_reach_the_buffers(monkeypatch, gen):

@@ -33,7 +33,7 @@ class Entry:
     """
 
     __slots__ = ("group", "tensor", "scope", "shape", "dtype", "layout", "key", "handle", "out",
-                 "stashed", "unpacked", "record_len")
+                 "stashed", "unpacked", "record_len", "__weakref__")
 
     def __init__(self, group: "Group", tensor: torch.Tensor, scope: Scope):
         self.group = group
@@ -48,6 +48,14 @@ class Entry:
         self.stashed = False
         self.unpacked = False
         self.record_len = 0
+
+    def __del__(self):
+        # Autograd dropped this saved tensor (its node ran and released it; NOTE [prefetch]).
+        group = self.group
+        if group is not None and group.alive > 0:
+            group.alive -= 1
+            if group.alive == 0:
+                group.manager._group_released(group)
 
     def stash_view(self) -> torch.Tensor:
         S, cap, width = self.layout
@@ -73,6 +81,7 @@ class Group:
         self.dedup: dict | None = {}
         self.tracked = False                # has entries: appears in the schedule
         self.remaining = 0                  # entries not unpacked yet
+        self.alive = 0                      # entries autograd has not released yet
         self.has_stash = False
         self.stash_event = None
         self.stash_captured = False

@@ -6,6 +6,8 @@ import dataclasses
 from .._backend import BACKENDS
 from .._checks import require_positive_int
 
+PREFETCH_POINTS = ("at_last_unpack", "after_release")
+
 
 @dataclasses.dataclass
 class StashConfig:
@@ -21,6 +23,12 @@ class StashConfig:
         initial_tokens: device rows of a buffer created before any demand was measured; 0
             keeps saved tensors un-stashed until the demand of a warmup step sized it.
         backend: ``"auto"``, ``"cupy"`` or ``"reference"`` (see :class:`PagedStashBuffer`).
+        prefetch: when the reload of the next group in backward is issued (NOTE [prefetch]
+            in ``manager.py``): ``"at_last_unpack"`` (default) when the last saved tensor of
+            the group before it is unpacked, so the reload also runs beside that group's last
+            backward op; ``"after_release"`` once autograd released every saved tensor of that
+            group (its backward ran), so the reload reuses its memory: a lower peak, less
+            overlap.
         copy_blocks: thread blocks one stash or reload may use on the side streams (0: as
             many as fit on the device). The copies run beside compute; capping them leaves
             multiprocessors to that compute (NOTE [copy blocks] in ``manager.py``).
@@ -34,6 +42,7 @@ class StashConfig:
     initial_tokens: int = 0
     backend: str = "auto"
     copy_blocks: int = 0
+    prefetch: str = "at_last_unpack"
 
     def validate(self) -> None:
         """Raise TypeError/ValueError naming the first field that is out of range."""
@@ -49,5 +58,7 @@ class StashConfig:
         require_positive_int("min_tensor_bytes", self.min_tensor_bytes, allow_zero=True)
         require_positive_int("initial_tokens", self.initial_tokens, allow_zero=True)
         require_positive_int("copy_blocks", self.copy_blocks, allow_zero=True)
+        if self.prefetch not in PREFETCH_POINTS:
+            raise ValueError(f"prefetch: expected one of {PREFETCH_POINTS}, got {self.prefetch!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
