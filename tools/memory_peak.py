@@ -418,7 +418,7 @@ def _release_memory(device) -> None:
 
 
 # ---- stash workload ---------------------------------------------------------------------------
-def _stash_setup(device):
+def _stash_setup(device, prefetch: str = "at_last_unpack"):
     """Model, input, counts and a sized manager, as ``bench stash``'s ``_config_run`` builds
     them for its "memory" configuration (warmup, sizing from demand, steady state)."""
     import graphstash
@@ -435,7 +435,7 @@ def _stash_setup(device):
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     graphstash.warmup()
-    manager = graphstash.StashManager(graphstash.StashConfig(), device=device)
+    manager = graphstash.StashManager(graphstash.StashConfig(prefetch=prefetch), device=device)
     for _ in range(2):
         _step(model, x, counts, manager)
     manager.size_from_demand()
@@ -444,13 +444,15 @@ def _stash_setup(device):
     return model, x, counts, manager, live
 
 
-def run_stash(device, *, min_bytes: int, top: int, max_entries: int, stacks: str) -> None:
+def run_stash(device, *, min_bytes: int, top: int, max_entries: int, stacks: str,
+              prefetch: str = "at_last_unpack") -> None:
     """Print the peak reports of one plain step and one stash step (``bench stash``)."""
     from graphstash.bench.stash import _step
 
     print(f"\n#### stash workload: ExpertStack layers={STASH_LAYERS} budget={STASH_BUDGET} "
-          f"live={STASH_BUDGET // 2} hidden={STASH_HIDDEN} ffn={STASH_FFN} bf16")
-    model, x, counts, manager, live = _stash_setup(device)
+          f"live={STASH_BUDGET // 2} hidden={STASH_HIDDEN} ffn={STASH_FFN} bf16, "
+          f"prefetch={prefetch}")
+    model, x, counts, manager, live = _stash_setup(device, prefetch)
     pool = _pool_bytes(manager)
     stashed = (STASH_LAYERS - 1) * live * (STASH_HIDDEN + 2 * STASH_FFN) * 2
     grads = (p.grad for p in model.parameters())
@@ -598,6 +600,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="'all' adds C++ frames (names backward nodes; slower)")
     p.add_argument("--max-entries", type=int, default=DEFAULT_MAX_ENTRIES,
                    help="allocator history entries kept per report")
+    p.add_argument("--prefetch", choices=("at_last_unpack", "after_release"),
+                   default="at_last_unpack", help="StashConfig.prefetch of the stash workload")
     p.add_argument("--moe-layers", type=int, default=8)
     p.add_argument("--moe-tokens", type=int, default=8192)
     return p
@@ -614,7 +618,7 @@ def main(argv: list | None = None) -> int:
     opts = dict(min_bytes=int(args.min_mib * MIB), top=args.top,
                 max_entries=args.max_entries, stacks=args.stacks)
     if args.workload in ("stash", "both"):
-        run_stash(device, **opts)
+        run_stash(device, prefetch=args.prefetch, **opts)
         _release_memory(device)
     if args.workload in ("moe", "both"):
         run_moe(device, layers=args.moe_layers, num_tokens=args.moe_tokens, **opts)

@@ -263,6 +263,21 @@ def _pool_state(manager) -> dict:
             for k, b in manager.buffers.items() if not b.released}
 
 
+def _sized_peak(model, x, counts, device, config: StashConfig) -> int:
+    """Peak of one steady-state stash step with a fresh manager of ``config`` (warmed up and
+    sized as in :func:`_config_run`), pool included."""
+    manager = StashManager(config, device=device)
+    for _ in range(2):
+        _step(model, x, counts, manager)
+    manager.size_from_demand()
+    for _ in range(2):
+        _step(model, x, counts, manager)
+    pool = sum(b for _, _, b in _pool_state(manager).values())
+    peak, _ = _peak(lambda: _step(model, x, counts, manager), device)
+    manager.release()
+    return peak + pool
+
+
 def _config_run(name, layers, budget, hidden, ffn, iters, graphs, device, *,
                 profile_overlap: bool = True):
     import graphstash
@@ -299,6 +314,8 @@ def _config_run(name, layers, budget, hidden, ffn, iters, graphs, device, *,
     res["peak_stash"] = peak + pool        # the pool was allocated before the baseline
     res["peak_exact"], _ = _peak(lambda: model.forward_exact(x, [live] * layers).float()
                                  .square().mean().backward(), device)
+    res["peak_stash_after_release"] = _sized_peak(model, x, counts, device,
+                                                  StashConfig(prefetch="after_release"))
     # ---- host syncs and allocations in the steady state ------------------------------------
     torch.cuda.synchronize()
     mode = torch.cuda.get_sync_debug_mode()
@@ -400,6 +417,9 @@ def run(quick: bool = False) -> dict:
             print(f"  host sync in a steady-state stash step: {r['steady_state_sync']}")
         if "graph_error" in r:
             print(f"  graph capture failed: {r['graph_error']}")
+        print(f"  {name}: peak with StashConfig(prefetch='after_release') "
+              f"{r['peak_stash_after_release'] * mib:.1f} MiB, ratio "
+              f"{r['peak_stash_after_release'] / r['peak_plain']:.3f}")
     print("peak: max allocated during one fwd+bwd above the memory before it (stash: plus its "
           "pool); overlap: share of stash/reload kernel time beside another kernel (kernel "
           "trace; else beside a forward expert-compute interval)")
