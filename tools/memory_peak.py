@@ -493,24 +493,6 @@ def _moe_build(mode: str, config, device):
     return model, opt, manager
 
 
-def _moe_step(model, opt, manager, static_x) -> Callable[[], torch.Tensor]:
-    """The training step of ``_run_mode``: zero grads, forward, backward, AdamW."""
-    def step():
-        opt.zero_grad(set_to_none=True)
-        if manager is None:
-            loss = model(static_x).float().pow(2).mean()
-            loss.backward()
-        else:
-            with manager:
-                manager.begin_step()
-                loss = model(static_x).float().pow(2).mean()
-                loss.backward()
-                manager.end_step()
-        opt.step()
-        return loss.detach()
-    return step
-
-
 def _on_stream(stream, fn: Callable[[], object], times: int) -> None:
     """Run ``fn`` ``times`` times on ``stream``, ordered after and before the current stream
     (the eager half of ``capture_with_output``)."""
@@ -546,7 +528,9 @@ def run_moe_mode(mode: str, config, device, *, min_bytes: int, top: int, max_ent
     static_x = torch.randn(config.num_tokens, config.hidden, generator=gen).to(
         device=device, dtype=torch.bfloat16)
     _experts._probe(device, static_x.dtype)
-    step = _moe_step(model, opt, manager, static_x)
+    from graphstash.bench.moe import train_step
+
+    step = train_step(model, opt, manager, static_x)
     side = torch.cuda.Stream(device)
     _on_stream(side, step, MOE_WARMUP)
     print(f"allocated after build and {MOE_WARMUP} eager warmup steps: {_allocated(device)}")

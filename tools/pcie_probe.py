@@ -17,9 +17,10 @@ Usage: ``python tools/pcie_probe.py [--mib 90] [--reps 10]``; prints GB/s and th
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+
+from graphstash.bench._timing import event_ms
 
 SOURCE = r"""
 extern "C" __global__ void __launch_bounds__(512)
@@ -98,15 +99,7 @@ def _time(fn, reps: int) -> float:
     """Median milliseconds of ``fn()`` over ``reps`` event-timed calls (after two warmups)."""
     for _ in range(2):
         fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return event_ms(fn, reps)
 
 
 def main(argv=None) -> None:

@@ -37,19 +37,25 @@ def capture(fn: Callable[[], None], warmup: int = 2) -> torch.cuda.CUDAGraph:
     return capture_with_output(fn, warmup)[0]
 
 
-def time_replays(graph: torch.cuda.CUDAGraph, repeats: int = 7) -> float:
-    """Median milliseconds of one replay of ``graph`` (CUDA events; one warm-up replay)."""
-    graph.replay()
-    torch.cuda.synchronize()
+def event_ms(fn: Callable[[], object], repeats: int = 7) -> float:
+    """Median milliseconds of ``fn()`` between two CUDA events on the current stream, over
+    ``repeats`` calls (each synchronized before the next)."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def time_replays(graph: torch.cuda.CUDAGraph, repeats: int = 7) -> float:
+    """Median milliseconds of one replay of ``graph`` (CUDA events; one warm-up replay)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    return event_ms(graph.replay, repeats)
 
 
 def time_calls(fn: Callable[[], None], repeats: int = 7, inner: int = 5, warmup: int = 1) -> float:

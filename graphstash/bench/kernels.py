@@ -15,7 +15,7 @@ import time
 import torch
 
 from ..paging import PagedStashBuffer
-from ._timing import capture, gpu_name, print_table, time_replays
+from ._timing import capture, event_ms, gpu_name, print_table, time_replays
 
 ITERS = 5   # stash + reload pairs per graph replay
 
@@ -60,29 +60,17 @@ def _measure(tier: str, dtype: torch.dtype, hidden: int, rows: int, live: float)
             "ratio": t_base / t_ours, **directions}
 
 
-def _event_ms(fn, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def _per_direction(buf, x, counts, out, staging, live_elems) -> dict:
     """Device time of one stash and of one reload, and of torch's pinned copy each way."""
     flat_x, flat_out = x.view(-1), out.view(-1)
     t_stash, t_reload = [], []
     for _ in range(5):   # alternate: the host tier holds one such tensor
         handles = []
-        t_stash.append(_event_ms(lambda: handles.append(buf.stash(x, counts)), repeats=1))
-        t_reload.append(_event_ms(lambda: buf.reload(handles.pop(), out=out), repeats=1))
+        t_stash.append(event_ms(lambda: handles.append(buf.stash(x, counts)), repeats=1))
+        t_reload.append(event_ms(lambda: buf.reload(handles.pop(), out=out), repeats=1))
     t_stash, t_reload = sorted(t_stash)[2], sorted(t_reload)[2]
-    t_d2h = _event_ms(lambda: staging[:live_elems].copy_(flat_x[:live_elems], non_blocking=True))
-    t_h2d = _event_ms(lambda: flat_out[:live_elems].copy_(staging[:live_elems], non_blocking=True))
+    t_d2h = event_ms(lambda: staging[:live_elems].copy_(flat_x[:live_elems], non_blocking=True))
+    t_h2d = event_ms(lambda: flat_out[:live_elems].copy_(staging[:live_elems], non_blocking=True))
     return {"stash_ratio": t_d2h / t_stash, "reload_ratio": t_h2d / t_reload}
 
 

@@ -59,6 +59,30 @@ def _stash_manager(mode: str, device, status):
     return StashManager(config, device=device, status=status)
 
 
+def train_step(model, opt, manager, static_x: torch.Tensor):
+    """The step every mode times: zero grads, forward over ``static_x`` (``[num_tokens,
+    hidden]`` on the model's device and dtype), backward of a mean-square loss, optimizer
+    step; with a stash ``manager`` its begin_step()/end_step() go around forward + backward.
+    Returns the step function (it returns the detached loss)."""
+    def step():
+        opt.zero_grad(set_to_none=True)
+        if manager is None:
+            loss = model(static_x).float().pow(2).mean()
+            loss.backward()
+        else:
+            # begin_step() and end_step() are captured too; end_step() joins the manager's
+            # pack/unpack streams back before the capture ends (NOTE [capture] in
+            # graphstash/stash/manager.py).
+            with manager:
+                manager.begin_step()
+                loss = model(static_x).float().pow(2).mean()
+                loss.backward()
+                manager.end_step()
+        opt.step()
+        return loss.detach()
+    return step
+
+
 def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) -> dict:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -76,22 +100,7 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
     # (NOTE [grouped_mm under capture] in graphstash/moe/experts.py).
     _experts._probe(device, static_x.dtype)
 
-    def step():
-        opt.zero_grad(set_to_none=True)
-        if manager is None:
-            loss = model(static_x).float().pow(2).mean()
-            loss.backward()
-        else:
-            # begin_step() and end_step() are captured too; end_step() joins the manager's
-            # pack/unpack streams back before the capture ends (NOTE [capture] in
-            # graphstash/stash/manager.py).
-            with manager:
-                manager.begin_step()
-                loss = model(static_x).float().pow(2).mean()
-                loss.backward()
-                manager.end_step()
-        opt.step()
-        return loss.detach()
+    step = train_step(model, opt, manager, static_x)
 
     def steady_state():
         # NOTE [steady-state peak]: warmup steps are left out of the peak: the first one runs
