@@ -51,6 +51,20 @@ def event_ms(fn: Callable[[], object], repeats: int = 7) -> float:
     return statistics.median(times)
 
 
+def time_replays_interleaved(graphs: dict, repeats: int = 7) -> dict:
+    """Median milliseconds of one replay of each graph in ``{name: CUDAGraph}``, replayed in
+    alternating rounds (NOTE [interleaved timing] in ``graph.py``: clock or thermal drift then
+    favours none of them); one warm-up replay each."""
+    for graph in graphs.values():
+        graph.replay()
+    torch.cuda.synchronize()
+    samples = {name: [] for name in graphs}
+    for _ in range(repeats):
+        for name, graph in graphs.items():
+            samples[name].append(event_ms(graph.replay, 1))
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def time_replays(graph: torch.cuda.CUDAGraph, repeats: int = 7) -> float:
     """Median milliseconds of one replay of ``graph`` (CUDA events; one warm-up replay)."""
     graph.replay()
@@ -62,19 +76,27 @@ def time_calls(fn: Callable[[], None], repeats: int = 7, inner: int = 5, warmup:
     """Median milliseconds per call of ``fn`` in a steady state: ``warmup`` calls first, then
     ``repeats`` samples of ``inner`` back-to-back calls between CUDA events (no sync inside a
     sample, so host overhead shows only where it exceeds the GPU time)."""
-    for _ in range(warmup):
-        fn()
+    return time_calls_interleaved({"fn": fn}, repeats, inner, warmup)["fn"]
+
+
+def time_calls_interleaved(fns: dict, repeats: int = 7, inner: int = 5,
+                           warmup: int = 1) -> dict:
+    """:func:`time_calls` of every function in ``{name: fn}``, their samples taken in
+    alternating rounds (NOTE [interleaved timing] in ``graph.py``)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def inner_calls(fn):
         for _ in range(inner):
             fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return statistics.median(times)
+
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(event_ms(lambda: inner_calls(fn), 1) / inner)
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def print_table(title: str, columns: list[str], rows: list[list]) -> None:

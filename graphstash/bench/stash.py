@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..stash import StashConfig, StashManager, stash_activations
-from ._timing import capture, time_calls, time_replays
+from ._timing import capture, time_calls, time_calls_interleaved, time_replays_interleaved
 
 
 class ExpertStack(torch.nn.Module):
@@ -328,12 +328,17 @@ def _config_run(name, layers, budget, hidden, ffn, iters, graphs, device, *,
     finally:
         torch.cuda.set_sync_debug_mode(mode)
     # ---- step time, steady state -----------------------------------------------------------
-    res["time_plain_ms"] = time_calls(lambda: _step(model, x, counts), repeats=iters, inner=3, warmup=3)
+    # Plain and stash steps alternate (NOTE [interleaved timing] in graph.py); neither may
+    # cudaMalloc once warm, so the count over all timed steps is the stash steps' count.
     for _ in range(2):
         _step(model, x, counts, manager)
+        _step(model, x, counts)
     torch.cuda.synchronize()
     mallocs = _mallocs(device)
-    res["time_stash_ms"] = time_calls(lambda: _step(model, x, counts, manager), repeats=iters, inner=3, warmup=3)
+    times = time_calls_interleaved({"plain": lambda: _step(model, x, counts),
+                                    "stash": lambda: _step(model, x, counts, manager)},
+                                   repeats=iters, inner=3, warmup=3)
+    res["time_plain_ms"], res["time_stash_ms"] = times["plain"], times["stash"]
     res["mallocs_in_timed_stash_steps"] = _mallocs(device) - mallocs
     if _pool_state(manager) != pools:
         raise AssertionError("the stash pool was (re)allocated during the timed steps")
@@ -369,13 +374,12 @@ def _config_run(name, layers, budget, hidden, ffn, iters, graphs, device, *,
     # ---- CUDA graphs -----------------------------------------------------------------------
     if graphs:
         try:
-            g_plain = capture(lambda: _step(model, x, counts))
-            res["graph_plain_ms"] = time_replays(g_plain, iters)
-            del g_plain
+            graphs = {"plain": capture(lambda: _step(model, x, counts))}
             manager.clear_status()
-            g_stash = capture(lambda: _step(model, x, counts, manager))
-            res["graph_stash_ms"] = time_replays(g_stash, iters)
-            del g_stash
+            graphs["stash"] = capture(lambda: _step(model, x, counts, manager))
+            times = time_replays_interleaved(graphs, iters)
+            res["graph_plain_ms"], res["graph_stash_ms"] = times["plain"], times["stash"]
+            del graphs
             res["status_after"] = {k: v for k, v in manager.read_status().items()
                                    if k in ("overflow", "host_spill")}
         except Exception as exc:      # report it next to the eager numbers
