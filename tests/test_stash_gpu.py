@@ -176,11 +176,17 @@ def _device():
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "acceptance not met: measured peak ratio 0.73 on an H200, 0.66 with "
-    "StashConfig(prefetch='after_release') (pool 1.1 x seven layers' live rows, the last "
-    "layer kept at full budget, and backward temporaries beside a reloaded group); "
+    "acceptance not reachable with device_factor 1.10: measured peak ratio 0.73 on an H200, "
+    "0.66 with StashConfig(prefetch='after_release'); the floor is 0.606 (see the docstring); "
     "exact-size eager itself is 0.61"))
 def test_memory_8_layers_budget_twice_live(capsys):
+    """The acceptance bound of 0.6. With A the bytes one layer saves at budget size: the plain
+    step of a stack of equal layers peaks where it holds all eight layers' saved tensors, at
+    the end of the forward or the start of the backward (tools/memory_peak.py shows it here):
+    8A + T with T the temporaries there. At that point the stash step holds the same T, a
+    pool of at least 1.10 x 7 x A/2 (seven layers' live rows; the eighth layer's backward
+    follows its forward) and the last layer's tensors at budget size: 4.85A + T, a ratio of
+    at least 0.606 whatever T is."""
     layers, budget, hidden, ffn = 8, 8192, 1024, 4096
     _, res = _config_run("memory", layers, budget, hidden, ffn, iters=3, graphs=False,
                          device=_device(), profile_overlap=False)
