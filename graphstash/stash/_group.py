@@ -33,7 +33,7 @@ class Entry:
     """
 
     __slots__ = ("group", "tensor", "scope", "shape", "dtype", "layout", "key", "handle", "out",
-                 "stashed", "unpacked", "record_len", "__weakref__")
+                 "stashed", "unpacked", "record_len")
 
     def __init__(self, group: "Group", tensor: torch.Tensor, scope: Scope):
         self.group = group

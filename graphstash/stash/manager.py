@@ -25,9 +25,9 @@ sit beside the reloaded group, which sets the peak of a step whose layers are al
 (``Entry.__del__``: the last node using them ran), so the reloaded tensors take the memory
 that group's tensors and temporaries held: measured on an H200 (``graphstash bench stash``),
 the peak fell from 0.73 to 0.66 of no stashing in the memory configuration and from 0.68 to
-0.66 in the compute-heavy one, while the share of copy time beside compute fell from 82 % to
-55 % there and small eager steps got slower (1.26x to 1.68x no stashing). Without a recording
-(the first step) or once a step departs from it, reloads happen on demand.
+0.66 in the compute-heavy one, while the share of copy time beside compute fell from about
+80 % to 55 % there. Without a recording (the first step) or once a step departs from it,
+reloads happen on demand.
 
 NOTE [last group kept]: when the recorded schedule says a group's backward directly follows
 its own forward (the last layer before the loss), stashing it would copy rows out and back
@@ -44,17 +44,19 @@ kernels keep measuring demand on the device (pages wanted, stored or not), and
 ``size_from_demand()`` re-sizes every buffer from the highest mark seen so far.
 
 NOTE [padding rows]: a reload writes the live rows and zeros the rows past the count
-(``zero_tail``, unless the context passed ``zero_tail=False``): the reloaded tensor differs from the original only in rows whose content no
-correct backward may depend on (the forward masked them out), and zeros keep garbage (NaN,
-Inf) out of reductions such as weight gradients, ``0 * x`` being exactly 0 for finite ``x``.
+(``zero_tail``, unless the context passed ``zero_tail=False``): the reloaded tensor differs
+from the original only in rows whose content no correct backward may depend on (the forward
+masked them out), and zeros keep garbage (NaN, Inf) out of reductions such as weight
+gradients, ``0 * x`` being exactly 0 for finite ``x``.
 A stash that overflowed stores nothing and its reload writes nothing: the step is untrusted
 (the status says so), the free lists stay consistent, and no other tensor is written.
 
 NOTE [copy blocks]: the stash and reload kernels are persistent grids that fill every
-multiprocessor; beside a compute kernel that also wants every multiprocessor (a GEMM) the two
-take turns rather than share. ``StashConfig.copy_blocks`` caps the copy grid so the compute
-keeps most multiprocessors and the copy trickles beside it (the kernels hand out work
-dynamically, so any grid copies everything).
+multiprocessor, and so does a large GEMM running beside them on the compute stream: they
+compete for the same multiprocessors. ``StashConfig.copy_blocks`` caps the copy grid so the
+compute keeps most of them (the kernels hand out work dynamically, so any grid copies
+everything). In the MoE benchmark half the multiprocessors was measured fastest among 16,
+33, 66 and all 132 blocks on an H200 (``tools/moe_stash_variants.py``).
 
 NOTE [entry cycle]: an ``Entry`` points to its ``Group`` (the unpack hook needs the group's
 state) and ``Group.entries`` points back, so the two form a reference cycle. Kept tensors
@@ -171,7 +173,7 @@ class StashManager:
         self._pending: list[Group] = []
         self._timeline: list | None = None   # set to [] to record copy intervals (eager, CUDA)
         self._trace: list | None = None      # set to [] to log ("stash" | "prefetch" | "reload", gid)
-        self._deferred_error: BaseException | None = None   # raised by a release-time prefetch
+        self._deferred_error: Exception | None = None   # raised by a release-time prefetch
 
     # ---- public API -----------------------------------------------------------------------
     @property
@@ -700,7 +702,7 @@ class StashManager:
             return
         try:
             self._prefetch_after(group)
-        except BaseException as exc:      # called from Entry.__del__: cannot raise there
+        except Exception as exc:          # called from Entry.__del__: cannot raise there
             self._deferred_error = exc
 
     def _raise_deferred(self) -> None:
