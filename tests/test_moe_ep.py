@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphstash import _layout as L
+from graphstash.bench._timing import capture_with_output
 from graphstash.moe import budget_rows, combine, dispatch, grouped_mm
 
 from _moe_data import routing, tokens
@@ -149,15 +150,7 @@ def _graph_case(rank, device, group, tol):
         (out * static_g).sum().backward()
         return out
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = capture_with_output(step)
     for seed in (31, 32, 33):
         x, idx, w, g = _data(seed, rank, device, dtype)
         with torch.no_grad():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from graphstash import _layout as L
+from graphstash.bench._timing import capture_with_output
 from graphstash.moe import MoEConfig, MoEModel, budget_rows, combine, dispatch, grouped_mm
 
 from _moe_data import routing, tokens
@@ -148,15 +149,7 @@ def test_capture_and_replay_with_changing_routing(gen):
         (out * static_g).sum().backward()
         return permuted.detach(), tpe, out.detach()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = capture_with_output(step)
     for skew in (None, 1.0, 6.0):              # the last one overflows the budget
         x = tokens(T, H, gen, dtype).cuda()
         idx, w = routing(T, K, E, gen, dtype, skew=skew)
@@ -247,17 +240,12 @@ def test_model_graph_step_matches_eager(gen, dtype):
         return loss.detach()
 
     static_x.copy_(tokens(config.num_tokens, config.hidden, gen).cuda() / config.num_tokens)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    eager.load_state_dict(graphed.state_dict())
-    graph = torch.cuda.CUDAGraph()
-    opt_g.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        static_loss = step()
+
+    def before_capture():
+        eager.load_state_dict(graphed.state_dict())
+        opt_g.zero_grad(set_to_none=True)
+
+    graph, static_loss = capture_with_output(step, before_capture=before_capture)
     eager.load_state_dict(graphed.state_dict())   # the capture ran no update
     for i in range(4):
         x = (torch.rand(config.num_tokens, config.hidden, generator=gen) + i).to("cuda", dtype)
@@ -289,7 +277,6 @@ def test_model_stash_mode_gradients_equal_budget_mode(gen, dtype):
     runs the native grouped GEMM under capture, so its reloads skip the zero fill (NOTE
     [expert rows past the count] in moe/model.py); float32 captures the masked fallback, which
     needs it. Free memory is poisoned with NaN before every step."""
-    from graphstash.bench._timing import capture_with_output
     from graphstash.stash import StashConfig, StashManager
 
     config = MoEConfig(hidden=256, ffn=512, num_experts=8, topk=2, layers=4, num_tokens=2048,

@@ -11,6 +11,7 @@ import torch
 
 import graphstash
 from graphstash import CaptureError
+from graphstash.bench._timing import capture_with_output
 from graphstash.bench.stash import (ExpertStack, _config_run, _sized_peak, make_inputs,
                                     one_f_one_b, run_schedule)
 from graphstash.stash import StashConfig, StashManager, stash_activations
@@ -84,20 +85,6 @@ def test_eager_bitwise_interleaved(gen):
     assert all(b.backend == "cupy" for b in manager.buffers.values())
 
 
-def _capture(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 def test_graph_capture_replay_bitwise(gen):
     model, inputs, counts = _setup(gen)
     manager = StashManager(StashConfig(device_factor=1.25), device="cuda")
@@ -114,9 +101,9 @@ def test_graph_capture_replay_bitwise(gen):
             p.grad = None
         return _step(model, inputs, counts)
 
-    g_plain, loss_plain = _capture(plain)
+    g_plain, loss_plain = capture_with_output(plain)
     grads_plain = [p.grad for p in model.parameters()]
-    g_stash, loss_stash = _capture(stashed)
+    g_stash, loss_stash = capture_with_output(stashed)
     grads_stash = [p.grad for p in model.parameters()]
     for replay in range(3):
         _fill(inputs, gen)
@@ -149,7 +136,7 @@ def test_graph_overflow_mid_step_is_flagged_and_harmless(gen):
             p.grad = None
         return _step(model, inputs, counts, manager)
 
-    graph, loss = _capture(stashed)
+    graph, loss = capture_with_output(stashed)
     grads = [p.grad for p in model.parameters()]
     manager.clear_status()
     _draw(counts, gen, B // 2, B)                             # far beyond 12 * B rows of pages
