@@ -6,7 +6,9 @@ import torch
 
 import graphstash
 from graphstash import _layout as L
-from graphstash.moe import (MoEConfig, MoEModel, budget_rows, combine, dispatch, grouped_mm)
+from graphstash.moe import (MoEConfig, MoEModel, budget_rows, combine, dispatch, expert_mlp,
+                            grouped_mm)
+from graphstash.moe.experts import grouped_mm_grads
 from graphstash.reference.moe import dense_moe
 
 from _moe_data import expected_layout, routing, tokens
@@ -172,6 +174,130 @@ def test_grouped_mm_implementations_agree(gen):
         torch.testing.assert_close(out[:32], want, msg=impl)
     with pytest.raises(ValueError, match="tokens_per_expert"):
         grouped_mm(x, w, counts[:2])
+
+
+@pytest.mark.parametrize("impl", ["loop", "masked", "grouped"])
+def test_grouped_mm_grads_match_autograd(gen, impl):
+    """The explicit GEMM gradients expert_mlp uses equal autograd through grouped_mm (rows
+    inside the counts; an empty expert and rows past the counts included)."""
+    if impl == "grouped" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    R, H, N, E = 40, 16, 8, 3
+    dtype = torch.float32 if impl == "grouped" else torch.float64   # no float64 grouped GEMM
+    counts = torch.tensor([12, 0, 20], dtype=torch.int32)
+    x = tokens(R, H, gen, dtype).requires_grad_()
+    w = (torch.rand(E, N, H, generator=gen, dtype=dtype) - 0.5).requires_grad_()
+    g = torch.rand(R, N, generator=gen, dtype=dtype) - 0.5
+    g[32:] = float("nan") if impl != "masked" else 0.0     # rows past the counts
+    out = grouped_mm(x, w, counts, impl="loop")
+    want_x, want_w = torch.autograd.grad(out[:32], (x, w), g[:32])
+    got_x, got_w = grouped_mm_grads(g, x.detach(), w.detach(), counts, impl)
+    torch.testing.assert_close(got_x[:32], want_x[:32])
+    torch.testing.assert_close(got_w, want_w)
+    with pytest.raises(ValueError, match="impl"):
+        grouped_mm_grads(g, x.detach(), w.detach(), counts, "auto")
+
+
+def _mlp_reference(x, w1, w2, counts, row_weight):
+    a = torch.nn.functional.silu(grouped_mm(x, w1, counts, impl="loop"))
+    if row_weight is not None:
+        a = a * row_weight.unsqueeze(1)
+    return grouped_mm(a, w2, counts, impl="loop")
+
+
+@pytest.mark.parametrize("impl", ["loop", "masked"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_expert_mlp_gradcheck_fp64(gen, impl, weighted):
+    R, H, F, E = 14, 5, 7, 3
+    counts = torch.tensor([4, 0, 8], dtype=torch.int32)          # 2 rows past the counts
+    x = (tokens(R, H, gen, torch.float64) / R).requires_grad_()
+    w1 = (torch.rand(E, F, H, generator=gen, dtype=torch.float64) - 0.5).requires_grad_()
+    w2 = (torch.rand(E, H, F, generator=gen, dtype=torch.float64) - 0.5).requires_grad_()
+    rw = (torch.rand(R, generator=gen, dtype=torch.float64) + 0.1).requires_grad_()
+    rw = rw if weighted else None
+    inputs = (x, w1, w2) + ((rw,) if weighted else ())
+
+    def ours(x, w1, w2, rw=None):
+        return expert_mlp(x, w1, w2, counts, rw, impl=impl)[:12]
+
+    assert torch.autograd.gradcheck(ours, inputs)
+    g = torch.rand(12, H, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(ours(*inputs), inputs, g)
+    want = torch.autograd.grad(_mlp_reference(x, w1, w2, counts, rw)[:12], inputs, g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_expert_mlp_keeps_input_and_pre_activation_only(gen):
+    """NOTE [expert MLP saved tensors]: two [rows, *] tensors (x and the pre-activation) and
+    the [rows] weights are kept; the activation is not."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm (the loop keeps per-expert slices)")
+    R, H, F, E = 16, 8, 12, 2
+    counts = torch.tensor([6, 10], dtype=torch.int32)
+    x = tokens(R, H, gen).requires_grad_()
+    w1 = (torch.rand(E, F, H, generator=gen) - 0.5).requires_grad_()
+    w2 = (torch.rand(E, H, F, generator=gen) - 0.5).requires_grad_()
+    rw = torch.rand(R, generator=gen).requires_grad_()
+    kept = []
+
+    def pack(t):
+        if t.dim() >= 1 and t.shape[0] == R:
+            kept.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        expert_mlp(x, w1, w2, counts, rw, impl="grouped")
+    assert sorted(kept) == sorted([(R, H), (R, F), (R,)])
+
+
+def test_expert_mlp_bad_input_names_the_argument(gen):
+    x = tokens(8, 4, gen)
+    w1, w2 = torch.rand(2, 6, 4), torch.rand(2, 4, 6)
+    counts = torch.tensor([3, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="w2"):
+        expert_mlp(x, w1, torch.rand(2, 4, 5), counts)
+    with pytest.raises(ValueError, match="row_weight"):
+        expert_mlp(x, w1, w2, counts, torch.rand(7))
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        expert_mlp(x, w1, w2, counts[:1])
+    with pytest.raises(ValueError, match="impl"):
+        expert_mlp(x, w1, w2, counts, impl="fast")
+
+
+@pytest.mark.parametrize("pad", [None, 2])
+def test_scaled_rows_and_unweighted_combine_match_dense_fp64(gen, pad):
+    """dispatch -> expert_mlp(permuted_weights) -> combine(weighted=False) is the dense MoE
+    out[t] = sum_k w[t, k] * mlp_k(x[t]); gradcheck in x, the router weights and both
+    expert weights; padding rows get weight 0."""
+    T, H, F, E, K = 9, 4, 6, 3, 2
+    x = (tokens(T, H, gen, torch.float64) / T).requires_grad_()
+    idx, w = routing(T, K, E, gen, torch.float64)
+    w = w.requires_grad_()
+    w1 = (torch.rand(E, F, H, generator=gen, dtype=torch.float64) - 0.5).requires_grad_()
+    w2 = (torch.rand(E, H, F, generator=gen, dtype=torch.float64) - 0.5).requires_grad_()
+    budget = budget_rows(T, K, E, capacity_factor=1.0, pad_multiple=pad)
+
+    def ours(x, w, w1, w2):
+        permuted, counts, handle = dispatch(x, idx, w, E, budget=budget, pad_multiple=pad,
+                                           status=_status())
+        y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), impl="loop")
+        return combine(y, handle, weighted=False)
+
+    assert torch.autograd.gradcheck(ours, (x, w, w1, w2))
+
+    def mlp(e, rows):
+        return torch.nn.functional.silu(rows @ w1[e].t()) @ w2[e].t()
+
+    torch.testing.assert_close(ours(x, w, w1, w2), dense_moe(x, idx, w, mlp))
+    _, _, handle = dispatch(x, idx, w, E, budget=budget + 5, pad_multiple=pad, status=_status())
+    rows = handle.permuted_weights()
+    assert rows.shape == (budget + 5,) and rows.dtype == w.dtype
+    pair = handle.plan.pair_of_slot.long()
+    want = torch.where(pair >= 0, w.detach().reshape(-1)[pair.clamp(min=0)], 0.0)
+    torch.testing.assert_close(rows.detach(), want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="weighted"):
+        combine(torch.zeros(budget + 5, H, dtype=torch.float64), handle, weighted=1)
 
 
 def test_grouped_mm_probe_ignores_enclosing_grad_mode_and_hooks(monkeypatch):

@@ -45,11 +45,16 @@ def _weights(seed: int, device, dtype):
     return ((torch.rand(E, H, H, generator=gen, dtype=torch.float64) - 0.5) / 4).to(device, dtype)
 
 
-def _step(x, idx, w, w1, *, group, budget, pad, status, chunk_rows=None):
-    """One MoE layer: dispatch, linear experts (grouped GEMM), combine."""
+def _step(x, idx, w, w1, *, group, budget, pad, status, chunk_rows=None, scaled=False):
+    """One MoE layer: dispatch, linear experts (grouped GEMM), combine; ``scaled``: the rows
+    are scaled by ``handle.permuted_weights()`` and combined unweighted (the weights travel
+    to the experts' rank and their gradients back)."""
     permuted, counts, handle = dispatch(x, idx, w, E, budget=budget, pad_multiple=pad,
                                         group=group, chunk_rows=chunk_rows, status=status)
-    return combine(grouped_mm(permuted, w1, counts), handle)
+    y = grouped_mm(permuted, w1, counts)
+    if scaled:
+        return combine(y * handle.permuted_weights().unsqueeze(1), handle, weighted=False)
+    return combine(y, handle)
 
 
 def _reference(seed, device, dtype, skew=None):
@@ -76,13 +81,14 @@ def _check_rank(rank, seed, device, dtype, out, x, w, w1_local, tol, skew=None):
     torch.testing.assert_close(w1_local.grad, gw1[rank * E_l:(rank + 1) * E_l], **tol)
 
 
-def _eager_case(rank, device, dtype, group, budget, pad, tol, seed):
+def _eager_case(rank, device, dtype, group, budget, pad, tol, seed, scaled=False):
     x, idx, w, grad = _data(seed, rank, device, dtype)
     x.requires_grad_(), w.requires_grad_()
     E_l = E // WORLD
     w1 = _weights(seed, device, dtype)[rank * E_l:(rank + 1) * E_l].clone().requires_grad_()
     status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)
-    out = _step(x, idx, w, w1, group=group, budget=budget, pad=pad, status=status)
+    out = _step(x, idx, w, w1, group=group, budget=budget, pad=pad, status=status,
+                scaled=scaled)
     (out * grad).sum().backward()
     assert int(status[L.SS_OVER_BUDGET]) == 0
     _check_rank(rank, seed, device, dtype, out, x, w, w1, tol)
@@ -120,16 +126,18 @@ def _worker(rank, port, backend, results_dir):
                              world_size=1)                  # fits any routing
         _eager_case(rank, device, torch.float32, group, budget, 4, tol, seed=11)
         _eager_case(rank, device, torch.float32, group, None, None, tol, seed=12)  # dropless
+        _eager_case(rank, device, torch.float32, group, budget, 4, tol, seed=13, scaled=True)
         _over_budget_case(rank, device, torch.float32, group)
         _bad_input_case(device, torch.float32, group)
         if on_gpu:
             _graph_case(rank, device, group, tol)
+            _graph_case(rank, device, group, tol, scaled=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _graph_case(rank, device, group, tol):
+def _graph_case(rank, device, group, tol, scaled=False):
     """Capture dispatch -> experts -> combine -> backward; replay with changing routing."""
     dtype = torch.float32
     E_l = E // WORLD
@@ -146,7 +154,7 @@ def _graph_case(rank, device, group, tol):
         for p in (static_x, static_w, w1):
             p.grad = None
         out = _step(static_x, static_idx, static_w, w1, group=group, budget=budget, pad=4,
-                    status=status)
+                    status=status, scaled=scaled)
         (out * static_g).sum().backward()
         return out
 

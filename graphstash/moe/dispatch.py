@@ -101,6 +101,19 @@ class DispatchHandle:
         """bool ``[1]`` on the device: True when this dispatch dropped rows."""
         return self.plan.over_budget
 
+    def permuted_weights(self) -> torch.Tensor:
+        """The router weight of every permuted row: ``[budget_rows]`` in ``topk_weight``'s
+        dtype on the device, 0 for padding and unused rows; differentiable in
+        ``topk_weight``. Under expert parallelism the weights travel to the expert's rank
+        with one extra (small) all-to-all, and their gradients back with another.
+
+        Scale the expert activations with it and combine with ``weighted=False`` (what
+        :func:`~graphstash.moe.expert_mlp` does): the combine then keeps no budget-sized
+        tensor for the weights' gradient (NOTE [expert MLP saved tensors] in ``mlp.py``).
+        """
+        _, ops = _ops(self.backend, self.device)
+        return _PermuteWeights.apply(self.topk_weight, self.plan, ops)
+
 
 # ---------------------------------------------------------------------------------------
 # argument checks
@@ -234,6 +247,38 @@ class _Dispatch(torch.autograd.Function):
         return grad_x, None, None
 
 
+class _CombineUnweighted(torch.autograd.Function):
+    """y [R, H] -> out [T, H] = sum_k y[row of (t, k)]; keeps nothing for backward."""
+
+    @staticmethod
+    def forward(ctx, y, plan: RoutingPlan, ops):
+        y = y.contiguous()
+        if plan.group is not None:
+            back = y.new_empty(plan.row_of_recv.shape[0], y.shape[1])
+            ops.gather_rows(back, y, plan.row_of_recv)
+            stage = _all_to_all(back, plan.group)
+        else:
+            stage = y
+        out = y.new_empty(plan.num_tokens, y.shape[1])
+        ops.combine_rows(out, stage, plan.slot_of_pair, None)
+        ctx.plan, ctx.ops = plan, ops
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, ops = ctx.plan, ctx.ops
+        grad = grad.contiguous()
+        g_stage = grad.new_empty(plan.stage_rows, grad.shape[1])
+        ops.gather_rows(g_stage, grad, plan.token_of_slot)
+        if plan.group is not None:
+            g_recv = _all_to_all(g_stage, plan.group)
+            grad_y = grad.new_empty(plan.budget_rows, grad.shape[1])
+            ops.gather_rows(grad_y, g_recv, plan.recv_of_row)
+        else:
+            grad_y = g_stage
+        return grad_y, None, None
+
+
 class _Combine(torch.autograd.Function):
     """y [R, H] and weights [T, K] -> out [T, H] = sum_k w[t, k] * y[row of (t, k)]."""
 
@@ -283,6 +328,39 @@ class _Combine(torch.autograd.Function):
             ops.weight_grad(flat, grad, stage, plan.slot_of_pair)
             grad_w = flat.view(plan.num_tokens, plan.topk).to(ctx.weight_dtype)
         return grad_y, grad_w, None, None
+
+
+class _PermuteWeights(torch.autograd.Function):
+    """topk_weight [T, K] -> [R]: the weight of the pair feeding each permuted row (0: none)."""
+
+    @staticmethod
+    def forward(ctx, topk_weight, plan: RoutingPlan, ops):
+        flat = topk_weight.detach().reshape(-1, 1).contiguous()
+        stage = flat.new_empty(plan.stage_rows, 1)
+        ops.gather_rows(stage, flat, plan.pair_of_slot)
+        if plan.group is not None:
+            received = _all_to_all(stage, plan.group)
+            out = flat.new_empty(plan.budget_rows, 1)
+            ops.gather_rows(out, received, plan.recv_of_row)
+        else:
+            out = stage
+        ctx.plan, ctx.ops, ctx.shape = plan, ops, topk_weight.shape
+        return out.view(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, ops = ctx.plan, ctx.ops
+        grad = grad.reshape(-1, 1).contiguous()
+        if plan.group is not None:
+            g_recv = grad.new_empty(plan.row_of_recv.shape[0], 1)
+            ops.gather_rows(g_recv, grad, plan.row_of_recv)
+            g_stage = _all_to_all(g_recv, plan.group)
+        else:
+            g_stage = grad
+        # Each kept pair feeds exactly one stage row: its gradient is that row's (a gather).
+        grad_w = grad.new_empty(plan.num_tokens * plan.topk, 1)
+        ops.gather_rows(grad_w, g_stage, plan.slot_of_pair.reshape(-1).contiguous())
+        return grad_w.view(ctx.shape), None, None
 
 
 # ---------------------------------------------------------------------------------------
@@ -371,16 +449,20 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
     return permuted, plan.tokens_per_expert, handle
 
 
-def combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+def combine(y: torch.Tensor, handle: DispatchHandle, *, weighted: bool = True) -> torch.Tensor:
     """Undo a dispatch: ``out[t] = sum_k topk_weight[t, k] * y[row of (t, k)]``.
 
     Args:
         y: ``[budget_rows, hidden_out]`` expert outputs in the permuted layout, dtype of the
             dispatched tokens, on their device.
         handle: the :class:`DispatchHandle` returned by :func:`dispatch`.
+        weighted: ``False`` sums the rows unweighted, for expert outputs already scaled by
+            :meth:`DispatchHandle.permuted_weights` (then nothing is kept for backward).
 
-    Returns ``[num_tokens, hidden_out]`` in y's dtype. Differentiable in ``y`` and in the
-    handle's ``topk_weight``; dropped pairs contribute nothing. Example::
+    Returns ``[num_tokens, hidden_out]`` in y's dtype. Differentiable in ``y`` and (when
+    ``weighted``) in the handle's ``topk_weight``; dropped pairs contribute nothing. The
+    weighted form keeps ``y`` (under expert parallelism, its rows sent back) for the
+    weights' gradient. Example::
 
         out = combine(expert_out, handle)
     """
@@ -394,5 +476,9 @@ def combine(y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     if y.dtype != handle.dtype:
         raise TypeError(f"y: expected dtype {handle.dtype} (that of the dispatched tokens), "
                         f"got {describe(y)}")
+    if not isinstance(weighted, bool):
+        raise TypeError(f"weighted: expected a bool, got {type(weighted).__name__}")
     _, ops = _ops(handle.backend, handle.device)
+    if not weighted:
+        return _CombineUnweighted.apply(y, handle.plan, ops)
     return _Combine.apply(y, handle.topk_weight, handle.plan, ops)

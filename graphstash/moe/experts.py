@@ -13,7 +13,7 @@ import torch
 
 from .._checks import describe, is_capturing, require_tensor
 
-__all__ = ["grouped_mm", "reads_rows_past_counts"]
+__all__ = ["grouped_mm", "grouped_mm_grads", "reads_rows_past_counts", "resolve_impl"]
 
 # NOTE [grouped_mm under capture]
 # On CUDA, torch._grouped_mm has a CUTLASS path only for bf16 on sm90/sm100 with 16-byte
@@ -246,6 +246,17 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.T
             counts back) or ``"masked"`` (capturable dense fallback).
     Returns ``[rows, out]``; differentiable in x and weight.
     """
+    _check_grouped_args(x, weight, tokens_per_expert)
+    impl = resolve_impl(x, weight, impl)
+    if impl == "grouped":
+        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+        return _grouped_mm_native(x, weight, offsets)
+    if impl == "masked":
+        return _masked_dense(x, weight, tokens_per_expert)
+    return _loop(x, weight, [int(n) for n in tokens_per_expert.tolist()])
+
+
+def _check_grouped_args(x, weight, tokens_per_expert) -> None:
     require_tensor("x", x, "a 2-D floating tensor")
     require_tensor("weight", weight, "a 3-D floating tensor")
     if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
@@ -257,18 +268,64 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.T
     if tuple(tokens_per_expert.shape) != (weight.shape[0],):
         raise ValueError(f"tokens_per_expert: expected shape ({weight.shape[0]},), got "
                          f"{describe(tokens_per_expert)}")
+
+
+def resolve_impl(x: torch.Tensor, weight: torch.Tensor, impl: str = "auto") -> str:
+    """The implementation ``grouped_mm(x, weight, ..., impl=impl)`` runs here, now:
+    ``"grouped"``, ``"loop"`` or ``"masked"`` (``"auto"`` decides as NOTE [grouped_mm under
+    capture] says). Raises ValueError for an unknown ``impl`` and CaptureError for
+    ``"loop"`` under capture."""
     if impl == "auto":
-        impl = "grouped" if _native_ok(x, weight) else ("masked" if is_capturing() else "loop")
+        return "grouped" if _native_ok(x, weight) else ("masked" if is_capturing() else "loop")
+    if impl not in ("grouped", "loop", "masked"):
+        raise ValueError(f"impl: expected 'auto', 'grouped', 'loop' or 'masked', got {impl!r}")
+    if impl == "loop" and is_capturing():
+        from ..errors import CaptureError
+
+        raise CaptureError("grouped_mm(impl='loop') reads the expert counts back to the "
+                           "host and cannot run while a CUDA graph is being captured")
+    return impl
+
+
+def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     tokens_per_expert: torch.Tensor, impl: str):
+    """Gradients of ``out = grouped_mm(x, weight, tokens_per_expert, impl=impl)``.
+
+    Args:
+        grad: ``[rows, out]`` gradient of ``out``, dtype and device of x.
+        x: ``[rows, in]`` the forward's input; weight ``[experts, out, in]``.
+        tokens_per_expert: int ``[experts]`` rows of each expert (as in the forward).
+        impl: the implementation the forward ran (:func:`resolve_impl`), not ``"auto"``.
+    Returns ``(grad_x [rows, in], grad_weight [experts, out, in])``. Rows of ``grad_x`` past
+    the counts are unspecified, as are those of a forward's output; rows of ``grad`` and
+    ``x`` past the counts are read only by ``"masked"`` (which multiplies them by zero).
+    """
     if impl == "grouped":
         offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-        return _grouped_mm_native(x, weight, offsets)
+        grad_x = torch._grouped_mm(grad, weight, offs=offsets)
+        grad_w = torch._grouped_mm(x.transpose(0, 1), grad, offs=offsets).transpose(-2, -1)
+        return grad_x, grad_w
     if impl == "masked":
-        return _masked_dense(x, weight, tokens_per_expert)
+        ends = torch.cumsum(tokens_per_expert.long(), 0)
+        starts = ends - tokens_per_expert.long()
+        rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1)
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        grad_x = x.new_zeros(x.shape)
+        grad_w = []
+        for e in range(weight.shape[0]):
+            g = torch.where((rows >= starts[e]) & (rows < ends[e]), grad, zero)
+            grad_x = grad_x + g @ weight[e]
+            grad_w.append(g.t() @ x)
+        return grad_x, torch.stack(grad_w)
     if impl == "loop":
-        if is_capturing():
-            from ..errors import CaptureError
-
-            raise CaptureError("grouped_mm(impl='loop') reads the expert counts back to the "
-                               "host and cannot run while a CUDA graph is being captured")
-        return _loop(x, weight, [int(n) for n in tokens_per_expert.tolist()])
-    raise ValueError(f"impl: expected 'auto', 'grouped', 'loop' or 'masked', got {impl!r}")
+        counts = [int(n) for n in tokens_per_expert.tolist()]
+        grad_x = x.new_zeros(x.shape)
+        grad_w = weight.new_zeros(weight.shape)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                grad_x[start:start + n] = grad[start:start + n] @ weight[e]
+                grad_w[e] = grad[start:start + n].t() @ x[start:start + n]
+            start += n
+        return grad_x, grad_w
+    raise ValueError(f"impl: expected 'grouped', 'loop' or 'masked', got {impl!r}")

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dispatch import budget_rows, combine, dispatch
-from .experts import grouped_mm, reads_rows_past_counts
+from .experts import reads_rows_past_counts
+from .mlp import expert_mlp
 
 MODES = ("dropless", "budget", "stash")
 
@@ -123,14 +124,16 @@ class MoEBlock(nn.Module):
                          or reads_rows_past_counts(permuted.new_empty(0, c.ffn), self.w2))
             with stash_activations(handle.live_rows, manager=stash_manager, name="moe.experts",
                                    max_tokens=handle.budget_rows, zero_tail=zero_tail):
-                out = combine(self._experts(permuted, counts), handle)
+                out = self._experts(permuted, counts, handle)
         else:
-            out = combine(self._experts(permuted, counts), handle)
+            out = self._experts(permuted, counts, handle)
         return x + out
 
-    def _experts(self, permuted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        a = F.silu(grouped_mm(permuted, self.w1, counts))
-        return grouped_mm(a, self.w2, counts)
+    def _experts(self, permuted: torch.Tensor, counts: torch.Tensor, handle) -> torch.Tensor:
+        # The router weights scale the activations, so the combine sums unweighted rows and
+        # autograd keeps two budget-sized tensors per layer (NOTE [expert MLP saved tensors]).
+        y = expert_mlp(permuted, self.w1, self.w2, counts, handle.permuted_weights())
+        return combine(y, handle, weighted=False)
 
 
 class MoEModel(nn.Module):
