@@ -1,0 +1,202 @@
+"""Can a copy kernel run beside the expert GEMMs instead of taking turns with them?
+
+Stash and reload copies run on a side stream while the main stream computes. A grouped GEMM
+(``torch._grouped_mm``) keeps one large block resident on every multiprocessor, so a copy
+kernel whose blocks do not fit beside it waits for SMs: the two take turns and the copy's
+time is added to the step. This program measures, in one run, a chain of expert GEMMs alone,
+a device-to-device copy alone, and both forked on two streams inside one CUDA graph, for
+several shapes of copy kernel:
+
+- ``vector``: a grid-stride kernel of 16-byte loads and stores, ``unroll`` in flight per
+  thread, ``threads`` per block, registers capped through ``__launch_bounds__``;
+- ``bulk``: one thread per block moving ``chunk``-byte pieces with ``cp.async.bulk`` through
+  shared memory, ``stages`` pieces in flight (few registers, some shared memory).
+
+``hidden`` is the share of the copy's own time that disappears when it runs beside the
+GEMMs: ``(gemm + copy - both) / copy``; ``gemm x`` is how much the GEMM chain slows down.
+
+Usage: ``python tools/overlap_probe.py [--copy-mib 1024] [--gemms 24] [--reps 10]``.
+Needs a CUDA GPU of compute capability 9.x (``torch._grouped_mm`` in bf16) and CuPy.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from graphstash.bench._timing import event_ms
+
+SOURCE = r"""
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+vector_copy(const uint4* __restrict__ src, uint4* __restrict__ dst, long long n_vec) {
+    constexpr int U = UNROLL;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + (U - 1) * stride < n_vec; i += U * stride) {
+        uint4 r[U];
+        #pragma unroll
+        for (int k = 0; k < U; ++k) r[k] = src[i + k * stride];
+        #pragma unroll
+        for (int k = 0; k < U; ++k) dst[i + k * stride] = r[k];
+    }
+    for (; i < n_vec; i += stride) dst[i] = src[i];
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+extern "C" __global__ void __launch_bounds__(32, 32)
+bulk_copy(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
+          long long bytes) {
+    extern __shared__ __align__(128) unsigned char stage_mem[];
+    __shared__ __align__(8) unsigned long long bars[STAGES];
+    if (threadIdx.x != 0) return;
+    for (int s = 0; s < STAGES; ++s)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&bars[s])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    const long long n_chunks = (bytes + CHUNK - 1) / CHUNK;
+    auto chunk_of = [&](long long k) { return blockIdx.x + k * (long long)gridDim.x; };
+    auto load = [&](long long k) {
+        const long long c = chunk_of(k);
+        if (c >= n_chunks) return;
+        const int s = (int)(k % STAGES);
+        const unsigned size = (unsigned)min((long long)CHUNK, bytes - c * CHUNK);
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     :: "r"(smem_addr(&bars[s])), "r"(size) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                     "[%0], [%1], %2, [%3];"
+                     :: "r"(smem_addr(stage_mem + s * CHUNK)), "l"(src + c * CHUNK), "r"(size),
+                        "r"(smem_addr(&bars[s])) : "memory");
+    };
+    for (int k = 0; k < STAGES; ++k) load(k);
+    for (long long k = 0; chunk_of(k) < n_chunks; ++k) {
+        const long long c = chunk_of(k);
+        const int s = (int)(k % STAGES);
+        const unsigned parity = (unsigned)((k / STAGES) & 1);
+        unsigned done = 0;
+        do {
+            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;"
+                         " selp.u32 %0, 1, 0, p; }"
+                         : "=r"(done) : "r"(smem_addr(&bars[s])), "r"(parity) : "memory");
+        } while (!done);
+        const unsigned size = (unsigned)min((long long)CHUNK, bytes - c * CHUNK);
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                     :: "l"(dst + c * CHUNK), "r"(smem_addr(stage_mem + s * CHUNK)), "r"(size)
+                     : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        load(k + STAGES);
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+"""
+
+# (label, kind, threads, min_blocks, unroll or chunk, stages, blocks per SM (float))
+VARIANTS = [
+    ("vector 512 thr, half the SMs (stash today)", "vector", 512, 1, 8, 0, 0.5),
+    ("vector 512 thr, every SM", "vector", 512, 1, 8, 0, 1),
+    ("vector 32 thr <=32 regs, 1/SM", "vector", 32, 64, 4, 0, 1),
+    ("vector 32 thr <=32 regs, 2/SM", "vector", 32, 64, 4, 0, 2),
+    ("vector 64 thr <=32 regs, 1/SM", "vector", 64, 32, 4, 0, 1),
+    ("vector 128 thr <=32 regs, 1/SM", "vector", 128, 16, 4, 0, 1),
+    ("bulk 2 KiB x 4, 1/SM", "bulk", 32, 32, 2048, 4, 1),
+    ("bulk 4 KiB x 4, 1/SM", "bulk", 32, 32, 4096, 4, 1),
+    ("bulk 8 KiB x 4, 1/SM", "bulk", 32, 32, 8192, 4, 1),
+    ("bulk 16 KiB x 4, 1/SM", "bulk", 32, 32, 16384, 4, 1),
+]
+
+
+def _module(threads: int, min_blocks: int, unroll: int, chunk: int, stages: int):
+    import cupy
+
+    opts = ("--std=c++17", f"-DTHREADS={threads}", f"-DMIN_BLOCKS={min_blocks}",
+            f"-DUNROLL={unroll}", f"-DCHUNK={chunk}", f"-DSTAGES={max(1, stages)}")
+    return cupy.RawModule(code=SOURCE, options=opts)
+
+
+def _graph_ms(parts, reps: int) -> float:
+    """Median ms of one replay of a graph that forks ``parts`` (callables) onto streams."""
+    main = torch.cuda.Stream()
+    streams = [torch.cuda.Stream() for _ in parts]
+    graph = torch.cuda.CUDAGraph()
+    for part in parts:           # warm up outside the capture (compiles, loads cuBLAS)
+        part()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, stream=main):
+        start = torch.cuda.Event()
+        start.record(main)
+        ends = []
+        for part, stream in zip(parts, streams):
+            stream.wait_event(start)
+            with torch.cuda.stream(stream):
+                part()
+            end = torch.cuda.Event()
+            end.record(stream)
+            ends.append(end)
+        for end in ends:
+            main.wait_event(end)
+    graph.replay()
+    torch.cuda.synchronize()
+    return event_ms(graph.replay, reps)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--copy-mib", type=float, default=1024.0, help="bytes one copy moves")
+    parser.add_argument("--gemms", type=int, default=24, help="grouped GEMMs in the chain")
+    parser.add_argument("--rows", type=int, default=32768)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=2048)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args(argv)
+    import cupy
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(args.rows, args.hidden, device=dev, generator=gen).to(torch.bfloat16)
+    w = torch.randn(args.experts, args.ffn, args.hidden, device=dev, generator=gen).to(torch.bfloat16)
+    offs = torch.arange(1, args.experts + 1, device=dev, dtype=torch.int32) * (args.rows // args.experts)
+
+    def gemms():
+        for _ in range(args.gemms):
+            torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+    nbytes = int(args.copy_mib * 2**20) // 16 * 16
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    flops = 2.0 * args.rows * args.hidden * args.ffn * args.gemms
+    gemm_ms = _graph_ms([gemms], args.reps)
+    print(f"{torch.cuda.get_device_name()}: {sms} SMs; {args.gemms} grouped GEMMs "
+          f"[{args.rows}, {args.hidden}] x [{args.experts}, {args.hidden}, {args.ffn}] bf16: "
+          f"{gemm_ms:.3f} ms ({flops / gemm_ms / 1e9:.0f} TFLOP/s); copy {nbytes / 2**20:.0f} MiB "
+          f"device to device; median of {args.reps} graph replays")
+    print(f"{'copy kernel':<44}{'regs':>5}{'smem':>7}{'copy ms':>9}{'GB/s':>7}{'both ms':>9}"
+          f"{'hidden':>8}{'gemm x':>8}  equal")
+    stream = lambda: cupy.cuda.Stream.from_external(torch.cuda.current_stream())  # noqa: E731
+    for label, kind, threads, min_blocks, size, stages, per_sm in VARIANTS:
+        unroll, chunk = (size, 4096) if kind == "vector" else (4, size)
+        fn = _module(threads, min_blocks, unroll, chunk, stages).get_function(f"{kind}_copy")
+        grid = max(1, int(sms * per_sm))
+        smem = chunk * stages if kind == "bulk" else 0
+        if smem:
+            fn.max_dynamic_shared_size_bytes = smem
+
+        def copy(fn=fn, grid=grid, smem=smem, threads=threads, kind=kind):
+            n = cupy.int64(nbytes // 16 if kind == "vector" else nbytes)
+            with stream():
+                fn((grid,), (threads,), (src.data_ptr(), dst.data_ptr(), n), shared_mem=smem)
+        dst.zero_()
+        copy_ms = _graph_ms([copy], args.reps)
+        equal = bool(torch.equal(dst, src))
+        both_ms = _graph_ms([gemms, copy], args.reps)
+        hidden = (gemm_ms + copy_ms - both_ms) / copy_ms
+        print(f"{label:<44}{fn.num_regs:>5}{fn.shared_size_bytes + smem:>7}{copy_ms:>9.3f}"
+              f"{2 * nbytes / copy_ms / 1e6:>7.0f}{both_ms:>9.3f}{hidden:>8.2f}"
+              f"{both_ms / gemm_ms:>8.2f}  {equal}")
+
+
+if __name__ == "__main__":
+    main()
