@@ -12,7 +12,9 @@ bench moe`` (WORLD_SIZE is detected; rank 0 prints). Peak memory is
 ``torch.cuda.max_memory_allocated`` over the capture and the timed steps (the eager steps
 before them, warmup and stash-pool sizing, are left out: NOTE [steady-state peak]), above the
 memory allocated before the model was built, so weights, optimizer state, the graph's pool and
-the stash pool all count.
+the stash pool all count. Step times are the mean of ``steps`` steps run one mode after the
+other; the two graphed budget modes are also timed in alternating rounds (both graphs alive),
+and that ratio is the one to quote: drift between the runs then favours neither.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 from .. import _layout as L
 from ..moe import MoEConfig, MoEModel
 from ..moe import experts as _experts
-from ._timing import capture_with_output
+from ._timing import capture_with_output, time_calls_interleaved
 
 # NOTE [bench budgets]: every configuration sizes its static buffers at twice the average rows
 # a rank receives (capacity_factor=2.0). At EP=2 (chunk_factor=2.0) that is the worst case:
@@ -45,6 +47,7 @@ CONFIGS = {
 QUICK = {"quick": MoEConfig(hidden=256, ffn=512, num_experts=8, topk=2, layers=4,
                             num_tokens=1024, capacity_factor=2.0, pad_multiple=16)}
 MODES = ("eager dropless", "graph + budget", "graph + budget + stash", "+ host tier")
+INTERLEAVED = ("graph + budget", "graph + budget + stash")   # also timed in alternating rounds
 
 
 def _stash_manager(mode: str, device, status):
@@ -90,7 +93,12 @@ def train_step(model, opt, manager, static_x: torch.Tensor):
     return step
 
 
-def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) -> dict:
+def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int,
+              keep: bool = False) -> dict:
+    """Build, warm up (and capture) ``mode``, time ``steps`` steps one after the other and
+    measure the peak. ``keep``: the result's ``"step"`` is a callable running one more step
+    on a given batch (it keeps the model, optimizer and graph alive) for
+    :func:`_time_interleaved`."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -141,8 +149,36 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
     step_ms, peak_mib, over_budget, overflow = figures.tolist()
     result = {"step_ms": step_ms, "peak_mib": peak_mib, "over_budget": int(over_budget),
               "overflow": int(overflow)}
+    if keep:
+        keep_alive = (model, opt, manager)
+
+        def one_step(batch, keep_alive=keep_alive):
+            static_x.copy_(batch)
+            run()
+        result["step"] = one_step
     del model, opt, manager
     return result
+
+
+def _time_interleaved(results: dict, modes: tuple, batches, group, device,
+                      repeats: int = 7) -> dict:
+    """NOTE [interleaved timing] (graph.py): median ms per step of each of ``modes`` (kept
+    alive by ``_run_mode(keep=True)``), sampled in alternating rounds of two steps each, so
+    clock or thermal drift favours none of them. Expert parallel: every rank runs the same
+    sequence (the graphs hold collectives); the figure is the largest over the ranks."""
+    calls = {}
+    for mode in modes:
+        step = results[mode]["step"]
+        counter = iter(range(1 << 30))
+        calls[mode] = (lambda step=step, counter=counter:
+                       step(batches[next(counter) % len(batches)]))
+    if group is not None:
+        torch.distributed.barrier(group)
+    times = time_calls_interleaved(calls, repeats=repeats, inner=2, warmup=1)
+    figures = torch.tensor([times[m] for m in modes], dtype=torch.float64, device=device)
+    if group is not None:
+        torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MAX, group=group)
+    return dict(zip(modes, figures.tolist()))
 
 
 def _print_table(name: str, config: MoEConfig, world: int, results: dict) -> None:
@@ -168,6 +204,10 @@ def _print_table(name: str, config: MoEConfig, world: int, results: dict) -> Non
               f"{r['peak_mib'] / eager['peak_mib']:>11.2f}{r['peak_mib'] / graph['peak_mib']:>11.2f}"
               f"{r['step_ms'] / graph['step_ms']:>11.2f}{eager['step_ms'] / r['step_ms']:>9.2f}"
               f"  over_budget={r['over_budget']} overflow={r['overflow']}")
+    if all("step_ms_interleaved" in results[m] for m in INTERLEAVED):
+        base, stash = (results[m]["step_ms_interleaved"] for m in INTERLEAVED)
+        print(f"alternating rounds (median ms per step): {INTERLEAVED[0]} {base:.2f}, "
+              f"{INTERLEAVED[1]} {stash:.2f}: time/graph {stash / base:.3f}")
 
 
 def run(quick: bool = False) -> dict:
@@ -197,9 +237,18 @@ def run(quick: bool = False) -> dict:
         results = {}
         for mode in MODES:
             try:
-                results[mode] = _run_mode(mode, config, group, device, batches, steps)
+                results[mode] = _run_mode(mode, config, group, device, batches, steps,
+                                          keep=mode in INTERLEAVED)
             except ImportError as exc:          # stash module missing
                 results[mode] = {"error": str(exc)}
+            if mode == INTERLEAVED[-1]:
+                if all("step" in results[m] for m in INTERLEAVED):
+                    interleaved = _time_interleaved(results, INTERLEAVED, batches, group, device,
+                                                    repeats=3 if quick else 7)
+                    for m in INTERLEAVED:
+                        results[m]["step_ms_interleaved"] = interleaved[m]
+                for m in INTERLEAVED:
+                    results[m].pop("step", None)      # frees the two graphs before the next mode
         if rank == 0:
             _print_table(name, config, world, results)
         out[name] = results
