@@ -212,6 +212,27 @@ def _all_to_all(src: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def _stage_to_rows(stage: torch.Tensor, plan: RoutingPlan, ops) -> torch.Tensor:
+    """Send-side stage rows -> permuted rows ``[R, ...]`` of the local experts (expert
+    parallel: one all-to-all, then a gather; one device: the stage is the permuted layout)."""
+    if plan.group is None:
+        return stage
+    received = _all_to_all(stage, plan.group)
+    rows = stage.new_empty(plan.budget_rows, *stage.shape[1:])
+    ops.gather_rows(rows, received, plan.recv_of_row)
+    return rows
+
+
+def _rows_to_stage(rows: torch.Tensor, plan: RoutingPlan, ops) -> torch.Tensor:
+    """Permuted rows ``[R, ...]`` -> the send-side stage of the ranks that sent them (the
+    inverse of :func:`_stage_to_rows`; unused stage rows are zero)."""
+    if plan.group is None:
+        return rows
+    back = rows.new_empty(plan.row_of_recv.shape[0], *rows.shape[1:])
+    ops.gather_rows(back, rows, plan.row_of_recv)
+    return _all_to_all(back, plan.group)
+
+
 # ---------------------------------------------------------------------------------------
 # autograd functions
 # ---------------------------------------------------------------------------------------
@@ -223,25 +244,13 @@ class _Dispatch(torch.autograd.Function):
         x = x.contiguous()
         stage = x.new_empty(plan.stage_rows, x.shape[1])
         ops.gather_rows(stage, x, plan.token_of_slot)
-        if plan.group is not None:
-            received = _all_to_all(stage, plan.group)
-            out = x.new_empty(plan.budget_rows, x.shape[1])
-            ops.gather_rows(out, received, plan.recv_of_row)
-        else:
-            out = stage
         ctx.plan, ctx.ops = plan, ops
-        return out
+        return _stage_to_rows(stage, plan, ops)
 
     @staticmethod
     def backward(ctx, grad):
         plan, ops = ctx.plan, ctx.ops
-        grad = grad.contiguous()
-        if plan.group is not None:
-            g_recv = grad.new_empty(plan.row_of_recv.shape[0], grad.shape[1])
-            ops.gather_rows(g_recv, grad, plan.row_of_recv)
-            g_stage = _all_to_all(g_recv, plan.group)
-        else:
-            g_stage = grad
+        g_stage = _rows_to_stage(grad.contiguous(), plan, ops)
         grad_x = grad.new_empty(plan.num_tokens, grad.shape[1])
         ops.combine_rows(grad_x, g_stage, plan.slot_of_pair, None)
         return grad_x, None, None
@@ -252,13 +261,7 @@ class _CombineUnweighted(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, plan: RoutingPlan, ops):
-        y = y.contiguous()
-        if plan.group is not None:
-            back = y.new_empty(plan.row_of_recv.shape[0], y.shape[1])
-            ops.gather_rows(back, y, plan.row_of_recv)
-            stage = _all_to_all(back, plan.group)
-        else:
-            stage = y
+        stage = _rows_to_stage(y.contiguous(), plan, ops)
         out = y.new_empty(plan.num_tokens, y.shape[1])
         ops.combine_rows(out, stage, plan.slot_of_pair, None)
         ctx.plan, ctx.ops = plan, ops
@@ -270,13 +273,7 @@ class _CombineUnweighted(torch.autograd.Function):
         grad = grad.contiguous()
         g_stage = grad.new_empty(plan.stage_rows, grad.shape[1])
         ops.gather_rows(g_stage, grad, plan.token_of_slot)
-        if plan.group is not None:
-            g_recv = _all_to_all(g_stage, plan.group)
-            grad_y = grad.new_empty(plan.budget_rows, grad.shape[1])
-            ops.gather_rows(grad_y, g_recv, plan.recv_of_row)
-        else:
-            grad_y = g_stage
-        return grad_y, None, None
+        return _stage_to_rows(g_stage, plan, ops), None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -285,12 +282,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, topk_weight, plan: RoutingPlan, ops):
         y = y.contiguous()
-        if plan.group is not None:
-            back = y.new_empty(plan.row_of_recv.shape[0], y.shape[1])
-            ops.gather_rows(back, y, plan.row_of_recv)
-            stage = _all_to_all(back, plan.group)
-        else:
-            stage = y
+        stage = _rows_to_stage(y, plan, ops)
         weight = topk_weight.detach().to(_acc_dtype(y.dtype)).contiguous()
         out = y.new_empty(plan.num_tokens, y.shape[1])
         ops.combine_rows(out, stage, plan.slot_of_pair, weight)
@@ -316,12 +308,7 @@ class _Combine(torch.autograd.Function):
             g_stage = grad.new_empty(plan.stage_rows, grad.shape[1])
             ops.combine_rows(g_stage, grad, plan.token_of_slot.view(-1, 1).contiguous(),
                              w_slot.view(-1, 1).contiguous())
-            if plan.group is not None:
-                g_recv = _all_to_all(g_stage, plan.group)
-                grad_y = grad.new_empty(plan.budget_rows, grad.shape[1])
-                ops.gather_rows(grad_y, g_recv, plan.recv_of_row)
-            else:
-                grad_y = g_stage
+            grad_y = _stage_to_rows(g_stage, plan, ops)
         if ctx.needs_input_grad[1]:
             flat = torch.empty(plan.num_tokens * plan.topk, dtype=_acc_dtype(grad.dtype),
                                device=grad.device)
@@ -338,25 +325,14 @@ class _PermuteWeights(torch.autograd.Function):
         flat = topk_weight.detach().reshape(-1, 1).contiguous()
         stage = flat.new_empty(plan.stage_rows, 1)
         ops.gather_rows(stage, flat, plan.pair_of_slot)
-        if plan.group is not None:
-            received = _all_to_all(stage, plan.group)
-            out = flat.new_empty(plan.budget_rows, 1)
-            ops.gather_rows(out, received, plan.recv_of_row)
-        else:
-            out = stage
         ctx.plan, ctx.ops, ctx.shape = plan, ops, topk_weight.shape
-        return out.view(-1)
+        return _stage_to_rows(stage, plan, ops).view(-1)
 
     @staticmethod
     def backward(ctx, grad):
         plan, ops = ctx.plan, ctx.ops
         grad = grad.reshape(-1, 1).contiguous()
-        if plan.group is not None:
-            g_recv = grad.new_empty(plan.row_of_recv.shape[0], 1)
-            ops.gather_rows(g_recv, grad, plan.row_of_recv)
-            g_stage = _all_to_all(g_recv, plan.group)
-        else:
-            g_stage = grad
+        g_stage = _rows_to_stage(grad, plan, ops)
         # Each kept pair feeds exactly one stage row: its gradient is that row's (a gather).
         grad_w = grad.new_empty(plan.num_tokens * plan.topk, 1)
         ops.gather_rows(grad_w, g_stage, plan.slot_of_pair.reshape(-1).contiguous())
