@@ -3,7 +3,7 @@
 NOTE [expert MLP saved tensors]: autograd would keep four budget-sized tensors per MoE layer
 for a SiLU MLP followed by a weighted combine: the permuted input, the pre-activation, the
 activation (the second GEMM's input) and the expert output (combine needs it for the router
-weight's gradient). :func:`expert_mlp` keeps two, ``[rows, hidden]`` and ``[rows, ffn]``:
+weight's gradient; under expert parallelism, as the rows sent back to the token's rank). :func:`expert_mlp` keeps two, ``[rows, hidden]`` and ``[rows, ffn]``:
 
 - the router weight of each row multiplies the activation before the second GEMM instead of
   the output after it (the GEMM is linear, so the product is the same; only the rounding
