@@ -233,6 +233,23 @@ def _rows_to_stage(rows: torch.Tensor, plan: RoutingPlan, ops) -> torch.Tensor:
     return _all_to_all(back, plan.group)
 
 
+def _tokens_to_rows(x: torch.Tensor, plan: RoutingPlan, ops) -> torch.Tensor:
+    """Tokens ``[T, H]`` -> permuted rows ``[R, H]``: each row a copy of its token (zero for
+    padding and unused rows). The adjoint of :func:`_rows_to_tokens`."""
+    stage = x.new_empty(plan.stage_rows, x.shape[1])
+    ops.gather_rows(stage, x, plan.token_of_slot)
+    return _stage_to_rows(stage, plan, ops)
+
+
+def _rows_to_tokens(rows: torch.Tensor, plan: RoutingPlan, ops) -> torch.Tensor:
+    """Permuted rows ``[R, H]`` -> tokens ``[T, H]``: each token the unweighted sum of its
+    kept slots' rows. The adjoint of :func:`_tokens_to_rows`."""
+    stage = _rows_to_stage(rows, plan, ops)
+    out = rows.new_empty(plan.num_tokens, rows.shape[1])
+    ops.combine_rows(out, stage, plan.slot_of_pair, None)
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # autograd functions
 # ---------------------------------------------------------------------------------------
@@ -241,19 +258,12 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, plan: RoutingPlan, ops):
-        x = x.contiguous()
-        stage = x.new_empty(plan.stage_rows, x.shape[1])
-        ops.gather_rows(stage, x, plan.token_of_slot)
         ctx.plan, ctx.ops = plan, ops
-        return _stage_to_rows(stage, plan, ops)
+        return _tokens_to_rows(x.contiguous(), plan, ops)
 
     @staticmethod
     def backward(ctx, grad):
-        plan, ops = ctx.plan, ctx.ops
-        g_stage = _rows_to_stage(grad.contiguous(), plan, ops)
-        grad_x = grad.new_empty(plan.num_tokens, grad.shape[1])
-        ops.combine_rows(grad_x, g_stage, plan.slot_of_pair, None)
-        return grad_x, None, None
+        return _rows_to_tokens(grad.contiguous(), ctx.plan, ctx.ops), None, None
 
 
 class _CombineUnweighted(torch.autograd.Function):
@@ -261,19 +271,12 @@ class _CombineUnweighted(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, plan: RoutingPlan, ops):
-        stage = _rows_to_stage(y.contiguous(), plan, ops)
-        out = y.new_empty(plan.num_tokens, y.shape[1])
-        ops.combine_rows(out, stage, plan.slot_of_pair, None)
         ctx.plan, ctx.ops = plan, ops
-        return out
+        return _rows_to_tokens(y.contiguous(), plan, ops)
 
     @staticmethod
     def backward(ctx, grad):
-        plan, ops = ctx.plan, ctx.ops
-        grad = grad.contiguous()
-        g_stage = grad.new_empty(plan.stage_rows, grad.shape[1])
-        ops.gather_rows(g_stage, grad, plan.token_of_slot)
-        return _stage_to_rows(g_stage, plan, ops), None, None
+        return _tokens_to_rows(grad.contiguous(), ctx.plan, ctx.ops), None, None
 
 
 class _Combine(torch.autograd.Function):
