@@ -1,4 +1,4 @@
-"""``graphstash demo``: train the reference MoE model (:mod:`graphstash.moe.demo`), or, with
+"""``graphstash demo``: train the reference MoE model (:mod:`graphstash.models.moe_demo`), or, with
 ``--mode paging``, exercise a bare paged stash buffer.
 
 The paging demo: each simulated layer computes into a static ``[budget, hidden]`` buffer of
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .moe import demo as _moe_demo
+from .models import moe_demo as _moe_demo
 from .paging import PagedStashBuffer
 
 MODES = _moe_demo.MODES + ("paging",)

@@ -11,7 +11,8 @@ import torch
 
 from graphstash import _layout as L
 from graphstash.bench._timing import capture_with_output
-from graphstash.moe import (MoEConfig, MoEModel, budget_rows, combine, dispatch, expert_mlp,
+from graphstash.models import MoEConfig, MoEModel
+from graphstash.moe import (budget_rows, combine, dispatch, expert_mlp,
                             grouped_mm)
 
 from _moe_data import routing, tokens
@@ -333,7 +334,7 @@ def _poison_free_memory(mib: int = 256):
 def test_model_stash_mode_gradients_equal_budget_mode(gen, dtype):
     """Stash mode against budget mode, bitwise: eagerly and replayed from a CUDA graph. bf16
     runs the native grouped GEMM under capture, so its reloads skip the zero fill (NOTE
-    [expert rows past the count] in moe/model.py); float32 captures the masked fallback, which
+    [expert rows past the count] in models/moe.py); float32 captures the masked fallback, which
     needs it. Free memory is poisoned with NaN before every step."""
     from graphstash.stash import StashConfig, StashManager
 

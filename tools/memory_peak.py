@@ -472,7 +472,7 @@ def run_stash(device, *, min_bytes: int, top: int, max_entries: int, stacks: str
 # ---- moe workload -----------------------------------------------------------------------------
 def moe_config(layers: int = 8, num_tokens: int = 8192):
     """A memory-bound-like ``MoEConfig`` (capacity factor 2: budget = 2 x the average rows)."""
-    from graphstash.moe import MoEConfig
+    from graphstash.models import MoEConfig
 
     return MoEConfig(hidden=2048, ffn=4096, num_experts=8, topk=2, layers=layers,
                      num_tokens=num_tokens, capacity_factor=2.0, pad_multiple=16)
@@ -482,7 +482,7 @@ def _moe_build(mode: str, config, device):
     """Status, manager, model and optimizer as ``bench moe``'s ``_run_mode`` builds them."""
     from graphstash import _layout as L
     from graphstash.bench.moe import _stash_manager
-    from graphstash.moe import MoEModel
+    from graphstash.models import MoEModel
 
     status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)
     model_mode = "budget" if mode == "graph + budget" else "stash"

@@ -1,6 +1,6 @@
 """``graphstash bench moe``: the reference MoE model, step time and peak memory per mode.
 
-Modes, each a full training step (forward, backward, AdamW) of :class:`graphstash.moe.MoEModel`:
+Modes, each a full training step (forward, backward, AdamW) of :class:`graphstash.models.MoEModel`:
 
 - ``eager dropless``: eager, buffers sized from the real counts (host reads every layer);
 - ``graph + budget``: static-budget dispatch, the whole step captured in one CUDA graph;
@@ -25,7 +25,7 @@ import time
 import torch
 
 from .. import _layout as L
-from ..moe import MoEConfig, MoEModel
+from ..models import MoEConfig, MoEModel
 from ..moe import experts as _experts
 from ._timing import capture_with_output, time_calls_interleaved
 

@@ -1,5 +1,6 @@
-"""Static-budget MoE token dispatch/combine (one GPU or expert-parallel) and the reference
-MoE model that ``graphstash demo`` and ``graphstash bench moe`` run.
+"""Static-budget MoE token dispatch/combine (one GPU or expert-parallel) and the expert MLP.
+
+The reference MoE model built from these pieces is :class:`graphstash.models.MoEModel`.
 
 Nothing here touches the GPU at import time.
 """
@@ -7,7 +8,6 @@ from .dispatch import (DispatchHandle, budget_rows, check_routing, combine, defa
                        dispatch)
 from .experts import grouped_mm
 from .mlp import expert_mlp
-from .model import MoEConfig, MoEModel
 
-__all__ = ["DispatchHandle", "MoEConfig", "MoEModel", "budget_rows", "check_routing", "combine",
+__all__ = ["DispatchHandle", "budget_rows", "check_routing", "combine",
            "default_status", "dispatch", "expert_mlp", "grouped_mm"]

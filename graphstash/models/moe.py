@@ -1,7 +1,8 @@
 """The reference MoE model: what ``graphstash demo`` and ``graphstash bench moe`` run.
 
-``L`` blocks of (optional attention,) RMSNorm, a top-k softmax router, SiLU experts run as
-grouped GEMMs over the dispatched buffer, and a residual. Three modes:
+``L`` blocks of (optional attention,) RMSNorm, a top-k softmax router, experts run as grouped
+GEMMs over the dispatched buffer (SwiGLU with HuggingFace's weight layout when
+``MoEConfig.gated``, else SiLU), and a residual. Three modes:
 
 - ``"dropless"``: eager, every dispatch sized from the real counts (host reads);
 - ``"budget"``: static-budget dispatch, nothing read back: capturable in a CUDA graph;
@@ -20,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dispatch import budget_rows, combine, dispatch
-from .experts import reads_rows_past_counts
-from .mlp import expert_mlp
+from ..moe.dispatch import budget_rows, combine, dispatch
+from ..moe.experts import reads_rows_past_counts
+from ..moe.mlp import expert_mlp
 
 MODES = ("dropless", "budget", "stash")
 
@@ -42,6 +43,31 @@ class MoEConfig:
     heads: int = 4
     seq_len: int = 128            # attention only: tokens are [num_tokens / seq_len, seq_len]
     chunk_factor: float | None = None   # expert parallel: chunk = factor x average per rank
+    gated: bool = False           # SwiGLU experts: w1 is [E, 2 * ffn, hidden] (gate rows, then up)
+
+
+# Layer widths of real models (one MoE layer each; attention left out: the experts are what
+# graphstash changes). 8192 tokens per rank; on one GPU capacity_factor=1.0 is the dropless
+# budget (T x K rows, see budget_rows); expert-parallel runs pass their own factor.
+PRESETS = {
+    "qwen3-30b-a3b": MoEConfig(hidden=2048, ffn=768, num_experts=128, topk=8, layers=48,
+                               num_tokens=8192, capacity_factor=1.0, gated=True),
+    "mixtral-8x7b": MoEConfig(hidden=4096, ffn=14336, num_experts=8, topk=2, layers=32,
+                              num_tokens=8192, capacity_factor=1.0, gated=True),
+}
+
+
+def preset(name: str, **overrides) -> MoEConfig:
+    """The :data:`PRESETS` entry ``name`` with ``overrides`` applied (any MoEConfig field).
+
+    Example: ``preset("qwen3-30b-a3b", layers=4, num_tokens=4096)``."""
+    if name not in PRESETS:
+        raise ValueError(f"name: expected one of {sorted(PRESETS)}, got {name!r}")
+    fields = {f.name for f in dataclasses.fields(MoEConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(f"overrides: unknown MoEConfig field(s) {unknown}")
+    return dataclasses.replace(PRESETS[name], **overrides)
 
 
 class _Attention(nn.Module):
@@ -72,7 +98,8 @@ class MoEBlock(nn.Module):
         self.norm = nn.RMSNorm(c.hidden)
         self.router = nn.Linear(c.hidden, c.num_experts, bias=False)
         # Full expert weights drawn from one generator on every rank; this rank keeps a slice.
-        w1 = torch.randn(c.num_experts, c.ffn, c.hidden, generator=generator) / math.sqrt(c.hidden)
+        rows_in = 2 * c.ffn if c.gated else c.ffn
+        w1 = torch.randn(c.num_experts, rows_in, c.hidden, generator=generator) / math.sqrt(c.hidden)
         w2 = torch.randn(c.num_experts, c.hidden, c.ffn, generator=generator) / math.sqrt(c.ffn)
         sl = slice(first_expert, first_expert + local_experts)
         self.w1 = nn.Parameter(w1[sl].clone())
@@ -132,7 +159,8 @@ class MoEBlock(nn.Module):
     def _experts(self, permuted: torch.Tensor, counts: torch.Tensor, handle) -> torch.Tensor:
         # The router weights scale the activations, so the combine sums unweighted rows and
         # autograd keeps two budget-sized tensors per layer (NOTE [expert MLP saved tensors]).
-        y = expert_mlp(permuted, self.w1, self.w2, counts, handle.permuted_weights())
+        y = expert_mlp(permuted, self.w1, self.w2, counts, handle.permuted_weights(),
+                       gated=self.config.gated)
         return combine(y, handle, weighted=False)
 
 

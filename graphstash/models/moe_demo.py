@@ -23,8 +23,8 @@ import torch
 from tqdm import tqdm
 
 from .. import _backend
-from . import experts as _experts
-from .model import MoEConfig, MoEModel
+from ..moe import experts as _experts
+from .moe import MoEConfig, MoEModel
 
 MODES = ("stash", "budget", "dropless", "all")
 

@@ -1,0 +1,9 @@
+"""The reference models that ``graphstash demo`` and ``graphstash bench`` run (not library core).
+
+:class:`MoEModel` is a complete MoE stack built from :mod:`graphstash.moe` (dispatch, the
+expert MLP, combine) and :mod:`graphstash.stash`; :data:`PRESETS` holds configurations at the
+layer widths of real models. Nothing here touches the GPU at import time.
+"""
+from .moe import PRESETS, MoEConfig, MoEModel, preset
+
+__all__ = ["PRESETS", "MoEConfig", "MoEModel", "preset"]
