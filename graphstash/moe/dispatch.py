@@ -51,8 +51,26 @@ def budget_rows(num_tokens: int, topk: int, num_experts: int, *, capacity_factor
 
     ``num_tokens`` counts the tokens of the whole expert-parallel group (``world_size``
     ranks): with ``T`` tokens per rank pass ``T * world_size``; a rank then receives
-    ``T * topk`` rows on average, and ``capacity_factor=world_size`` fits any routing."""
-    local_experts = max(1, num_experts // world_size)
+    ``T * topk`` rows on average, and ``capacity_factor=world_size`` fits any routing.
+    On one GPU ``capacity_factor=1.0`` gives exactly the dropless rows, ``T * topk`` plus
+    padding: no routing goes over that budget.
+    """
+    require_positive_int("num_tokens", num_tokens)
+    require_positive_int("topk", topk)
+    require_positive_int("num_experts", num_experts)
+    require_positive_int("world_size", world_size)
+    if pad_multiple is not None:
+        require_positive_int("pad_multiple", pad_multiple)
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+        raise TypeError(f"capacity_factor: expected a float, got {type(capacity_factor).__name__}")
+    if not math.isfinite(capacity_factor) or capacity_factor <= 0:
+        raise ValueError(f"capacity_factor: expected a finite float > 0, got {capacity_factor}")
+    if topk > num_experts:
+        raise ValueError(f"topk: expected at most num_experts={num_experts}, got {topk}")
+    if num_experts % world_size:
+        raise ValueError(f"num_experts: expected a multiple of world_size={world_size}, "
+                         f"got {num_experts}")
+    local_experts = num_experts // world_size
     rows = math.ceil(capacity_factor * num_tokens * topk / world_size)
     if pad_multiple and pad_multiple > 1:
         rows += local_experts * (pad_multiple - 1)
