@@ -6,7 +6,8 @@ import torch
 
 import graphstash
 from graphstash import _layout as L
-from graphstash.moe import (MoEConfig, MoEModel, budget_rows, combine, dispatch, expert_mlp,
+from graphstash.models import MoEConfig, MoEModel
+from graphstash.moe import (budget_rows, combine, dispatch, expert_mlp,
                             grouped_mm)
 from graphstash.moe.experts import grouped_mm_grads
 from graphstash.reference.moe import dense_moe
@@ -198,34 +199,59 @@ def test_grouped_mm_grads_match_autograd(gen, impl):
         grouped_mm_grads(g, x.detach(), w.detach(), counts, "auto")
 
 
-def _mlp_reference(x, w1, w2, counts, row_weight):
-    a = torch.nn.functional.silu(grouped_mm(x, w1, counts, impl="loop"))
+def _mlp_reference(x, w1, w2, counts, row_weight, gated=False):
+    h = grouped_mm(x, w1, counts, impl="loop")
+    if gated:
+        gate, up = h.chunk(2, dim=-1)
+        a = torch.nn.functional.silu(gate) * up
+    else:
+        a = torch.nn.functional.silu(h)
     if row_weight is not None:
         a = a * row_weight.unsqueeze(1)
     return grouped_mm(a, w2, counts, impl="loop")
 
 
+@pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("impl", ["loop", "masked"])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_expert_mlp_gradcheck_fp64(gen, impl, weighted):
+def test_expert_mlp_gradcheck_fp64(gen, impl, weighted, gated):
     R, H, F, E = 14, 5, 7, 3
     counts = torch.tensor([4, 0, 8], dtype=torch.int32)          # 2 rows past the counts
     x = (tokens(R, H, gen, torch.float64) / R).requires_grad_()
-    w1 = (torch.rand(E, F, H, generator=gen, dtype=torch.float64) - 0.5).requires_grad_()
+    w1 = (torch.rand(E, 2 * F if gated else F, H, generator=gen, dtype=torch.float64)
+          - 0.5).requires_grad_()
     w2 = (torch.rand(E, H, F, generator=gen, dtype=torch.float64) - 0.5).requires_grad_()
     rw = (torch.rand(R, generator=gen, dtype=torch.float64) + 0.1).requires_grad_()
     rw = rw if weighted else None
     inputs = (x, w1, w2) + ((rw,) if weighted else ())
 
     def ours(x, w1, w2, rw=None):
-        return expert_mlp(x, w1, w2, counts, rw, impl=impl)[:12]
+        return expert_mlp(x, w1, w2, counts, rw, gated=gated, impl=impl)[:12]
 
     assert torch.autograd.gradcheck(ours, inputs)
     g = torch.rand(12, H, generator=gen, dtype=torch.float64)
     got = torch.autograd.grad(ours(*inputs), inputs, g)
-    want = torch.autograd.grad(_mlp_reference(x, w1, w2, counts, rw)[:12], inputs, g)
+    want = torch.autograd.grad(_mlp_reference(x, w1, w2, counts, rw, gated)[:12], inputs, g)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_row_dot_follows_the_kernel_order(gen):
+    """NOTE [row dot order]: 8-element blocks dealt to 32 lanes, then a halving tree; the
+    result is the exact float64 dot within float32 rounding, for widths below, at and past
+    one warp's span."""
+    from graphstash.reference.experts import row_dot
+
+    for n in (5, 256, 300, 768):
+        a = torch.randn(3, n, generator=gen)
+        b = torch.randn(3, n, generator=gen)
+        got = row_dot(a, b)
+        want = (a.double() * b.double()).sum(1)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    # the order is fixed: one block's products are added sequentially by one lane
+    a = torch.zeros(1, 256)
+    a[0, 0], a[0, 1], a[0, 8] = 1e8, 1.0, -1e8
+    assert row_dot(a, torch.ones(1, 256)).item() == 0.0     # (1e8 + 1) - 1e8 in float32
 
 
 def test_expert_mlp_keeps_input_and_pre_activation_only(gen):
@@ -263,6 +289,14 @@ def test_expert_mlp_bad_input_names_the_argument(gen):
         expert_mlp(x, w1, w2, counts[:1])
     with pytest.raises(ValueError, match="impl"):
         expert_mlp(x, w1, w2, counts, impl="fast")
+    with pytest.raises(ValueError, match="activation"):
+        expert_mlp(x, w1, w2, counts, activation="tanh")
+    with pytest.raises(TypeError, match="gated"):
+        expert_mlp(x, w1, w2, counts, gated=1)
+    with pytest.raises(ValueError, match="w1"):
+        expert_mlp(x, torch.rand(2, 5, 4), w2, counts, gated=True)
+    with pytest.raises(ValueError, match="w2"):               # gated: ffn is half of w1's rows
+        expert_mlp(x, w1, w2, counts, gated=True)
 
 
 @pytest.mark.parametrize("pad", [None, 2])
@@ -386,7 +420,7 @@ def test_model_stash_mode_matches_budget(gen):
 
 
 def test_moe_demo_runs_on_cpu(capsys):
-    from graphstash.moe import demo
+    from graphstash.models import moe_demo as demo
 
     results = demo.run(device="cpu", steps=3)
     assert list(results) == ["dropless", "budget", "stash"]
