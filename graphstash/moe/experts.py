@@ -244,16 +244,39 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.T
             (their values are unspecified).
         impl: ``"auto"``, ``"grouped"`` (torch._grouped_mm), ``"loop"`` (eager, reads the
             counts back) or ``"masked"`` (capturable dense fallback).
-    Returns ``[rows, out]``; differentiable in x and weight.
+    Returns ``[rows, out]``; differentiable in x and weight (the weight's gradient in its
+    own contiguous layout, NOTE [weight gradient layout]).
     """
     _check_grouped_args(x, weight, tokens_per_expert)
-    impl = resolve_impl(x, weight, impl)
+    return _GroupedMM.apply(x, weight, tokens_per_expert, resolve_impl(x, weight, impl))
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
+             impl: str) -> torch.Tensor:
     if impl == "grouped":
         offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
         return _grouped_mm_native(x, weight, offsets)
     if impl == "masked":
         return _masked_dense(x, weight, tokens_per_expert)
     return _loop(x, weight, [int(n) for n in tokens_per_expert.tolist()])
+
+
+class _GroupedMM(torch.autograd.Function):
+    """:func:`grouped_mm` with the explicit gradients of :func:`grouped_mm_grads`: the weight
+    gradient comes out in the weight's own layout (NOTE [weight gradient layout])."""
+
+    @staticmethod
+    def forward(ctx, x, weight, tokens_per_expert, impl):
+        ctx.save_for_backward(x, weight, tokens_per_expert)
+        ctx.impl = impl
+        return _forward(x, weight, tokens_per_expert, impl)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, tokens_per_expert = ctx.saved_tensors
+        grad_x, grad_w = grouped_mm_grads(grad.contiguous(), x, weight, tokens_per_expert,
+                                          ctx.impl)
+        return grad_x, grad_w, None, None
 
 
 def _check_grouped_args(x, weight, tokens_per_expert) -> None:
@@ -301,9 +324,15 @@ def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     ``x`` past the counts are read only by ``"masked"`` (which multiplies them by zero).
     """
     if impl == "grouped":
+        # NOTE [weight gradient layout]: grad_w[e] = grad_e^T @ x_e is computed as one grouped
+        # product with grad^T as the first operand, so it comes out [experts, out, in], the
+        # weight's own layout. Computing x^T @ grad and transposing the result (what autograd
+        # does for torch._grouped_mm) hands AccumulateGrad a transposed view, which it copies
+        # into a contiguous gradient: a strided pass over every expert weight, measured at
+        # 3.0 ms per Mixtral-8x7B layer on an H200 (docs/moe-performance.md).
         offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
         grad_x = torch._grouped_mm(grad, weight, offs=offsets)
-        grad_w = torch._grouped_mm(x.transpose(0, 1), grad, offs=offsets).transpose(-2, -1)
+        grad_w = torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets)
         return grad_x, grad_w
     if impl == "masked":
         ends = torch.cumsum(tokens_per_expert.long(), 0)
