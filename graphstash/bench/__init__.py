@@ -21,9 +21,6 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     import torch
 
-    if not torch.cuda.is_available():
-        print("graphstash bench: benchmarks time GPU kernels and need a CUDA GPU; none is visible")
-        return 2
     suites = SUITES if args.suite == "all" else (args.suite,)
     if "moe" in suites:
         from . import moe
@@ -34,6 +31,9 @@ def main(args) -> int:
         except ValueError as exc:
             print(f"graphstash bench: {exc}")
             return 2
+    if not torch.cuda.is_available():
+        print("graphstash bench: benchmarks time GPU kernels and need a CUDA GPU; none is visible")
+        return 2
     results = {}
     for suite in suites:
         module = __import__(f"graphstash.bench.{suite}", fromlist=["run"])
