@@ -141,14 +141,15 @@ def modes_from_args(args) -> tuple:
 
 
 def _fit_layers(config: MoEConfig, world: int, device) -> int:
-    """As many layers as fit on ``device`` (at most ``config.layers``): bf16 parameters,
-    gradients and two AdamW moments per layer, plus the activations the peer keeps."""
+    """As many layers as fit on ``device`` (at most ``config.layers``): bf16 parameters, two
+    AdamW moments and the gradients twice (the eager warmup's, then the graph pool's), plus
+    twice the activations the peer keeps (the eager pool and the graph's private pool)."""
     E_local = config.num_experts // world
     w_rows = (3 if config.gated else 2) * config.ffn
     params = E_local * w_rows * config.hidden + config.num_experts * config.hidden
     rows = config.num_tokens * config.topk
     acts = rows * (2 * config.hidden + 4 * config.ffn) + 4 * config.num_tokens * config.hidden
-    per_layer = 2 * (4 * params + acts)
+    per_layer = 2 * (5 * params + 2 * acts)
     free, _ = torch.cuda.mem_get_info(device)
     fit = int(0.8 * free // per_layer)
     return max(1, min(config.layers, fit))

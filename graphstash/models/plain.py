@@ -17,11 +17,15 @@ import torch.nn.functional as F
 
 
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``x[rows of e] @ weight[e].T`` (weight ``[E, out, in]``): torch._grouped_mm, or a loop
-    over experts where this torch or device has none (the CPU tests)."""
+    """``x[rows of e] @ weight[e].T`` (weight ``[E, out, in]``): torch._grouped_mm, or on the
+    CPU a loop over experts where this torch has no CPU grouped GEMM (the CPU tests)."""
+    if x.device.type == "cuda":
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     try:
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-    except (AttributeError, RuntimeError, NotImplementedError):
+    except (AttributeError, NotImplementedError, RuntimeError) as exc:
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise
         ends = offsets.tolist()
         pieces, start = [], 0
         for e, end in enumerate(ends):
