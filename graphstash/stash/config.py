@@ -7,6 +7,7 @@ from .._backend import BACKENDS
 from .._checks import require_positive_int
 
 PREFETCH_POINTS = ("at_last_unpack", "after_release")
+POLICIES = ("auto", "always", "never")
 
 
 @dataclasses.dataclass
@@ -32,6 +33,9 @@ class StashConfig:
         copy_blocks: thread blocks one stash or reload may use on the side streams (0: as
             many as fit on the device). The copies run beside compute; capping them leaves
             multiprocessors to that compute (NOTE [copy blocks] in ``manager.py``).
+        policy: whether groups are stashed at all (NOTE [stash plan] in ``manager.py``):
+            ``"auto"`` (default) stashes only when the warmup measurement says it lowers the
+            step's peak, ``"always"`` and ``"never"`` force the choice.
     """
 
     page_size: int = 64
@@ -43,6 +47,7 @@ class StashConfig:
     backend: str = "auto"
     copy_blocks: int = 0
     prefetch: str = "at_last_unpack"
+    policy: str = "auto"
 
     def validate(self) -> None:
         """Raise TypeError/ValueError naming the first field that is out of range."""
@@ -60,5 +65,7 @@ class StashConfig:
         require_positive_int("copy_blocks", self.copy_blocks, allow_zero=True)
         if self.prefetch not in PREFETCH_POINTS:
             raise ValueError(f"prefetch: expected one of {PREFETCH_POINTS}, got {self.prefetch!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {POLICIES}, got {self.policy!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
