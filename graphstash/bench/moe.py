@@ -250,6 +250,7 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
     peak = torch.cuda.max_memory_allocated(device) - base
     static = _static_bytes(model, opt)
     stats = step.stats if graphed else None
+    plan = step.stash_manager.plan() if mode == "graph + budget + stash" else []
     figures = torch.tensor([statistics.median(samples), peak / 2**20, (peak - static) / 2**20,
                             sent[0] / 2**20,
                             float(stats.over_budget if stats else 0),
@@ -262,7 +263,8 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
     del model, opt
     return {"step_ms": step_ms, "peak_mib": peak_mib, "activation_peak_mib": act_mib,
             "exchanged_mib": sent_mib, "over_budget": int(over_budget),
-            "overflow": int(overflow), "reruns": int(reruns)}
+            "overflow": int(overflow), "reruns": int(reruns),
+            "stashed_groups": sum(r["stashed"] for r in plan), "groups": len(plan)}
 
 
 def _peer_of(mode: str, results: dict):
@@ -291,8 +293,10 @@ def _print_table(name: str, config: MoEConfig, world: int, results: dict) -> Non
                    if p.get("activation_peak_mib") else "-")
         print(f"{mode:<24}{r['step_ms']:>9.2f}{t_ratio:>7}{r['peak_mib']:>10.0f}"
               f"{r['activation_peak_mib']:>9.0f}{a_ratio:>9}{r['exchanged_mib']:>10.1f}"
-              f"  {r['over_budget']}, {r['overflow']}, {r['reruns']}")
-    print("/peer: time over 'plain graph' for graphed modes, over 'plain eager' for eager ones")
+              f"  {r['over_budget']}, {r['overflow']}, {r['reruns']}"
+              + (f"; stashed {r['stashed_groups']}/{r['groups']} groups" if r["groups"] else ""))
+    print("/peer: time over 'plain graph' for graphed modes, over 'plain eager' for eager ones;"
+          " stashed: groups the stash plan stashed (NOTE [stash plan])")
 
 
 def run(quick: bool = False, args=None) -> dict:

@@ -171,9 +171,10 @@ class MoEBlock(nn.Module):
 
     def _experts(self, permuted: torch.Tensor, counts: torch.Tensor, handle) -> torch.Tensor:
         # The router weights scale the activations, so the combine sums unweighted rows and
-        # autograd keeps two budget-sized tensors per layer (NOTE [expert MLP saved tensors]).
+        # autograd keeps two budget-sized tensors per layer (NOTE [expert MLP saved tensors]),
+        # one on one device (NOTE [regathered input]).
         y = expert_mlp(permuted, self.w1, self.w2, counts, handle.permuted_weights(),
-                       gated=self.config.gated)
+                       gated=self.config.gated, handle=handle)
         return combine(y, handle, weighted=False)
 
 

@@ -84,7 +84,8 @@ class DispatchHandle:
 
     ``live_rows`` (int32 ``[1]``, device) is the number of rows in use at the top of the
     permuted buffer: the ``num_tokens`` to give ``stash_activations``. ``over_budget`` (bool
-    ``[1]``, device) says whether this dispatch dropped rows.
+    ``[1]``, device) says whether this dispatch dropped rows. ``source`` is the ``[num_tokens,
+    hidden]`` tokens that were dispatched (what :meth:`regather` gathers again).
     """
     plan: RoutingPlan
     topk_weight: torch.Tensor
@@ -93,6 +94,22 @@ class DispatchHandle:
     dtype: torch.dtype
     device: torch.device
     backend: str
+    source: torch.Tensor | None = None
+
+    @property
+    def local(self) -> bool:
+        """True for a one-device dispatch (no expert-parallel exchange)."""
+        return self.plan.group is None
+
+    def regather(self, source: torch.Tensor) -> torch.Tensor:
+        """The permuted rows of ``source`` (``[num_tokens, hidden]``, the dispatched tokens or
+        a tensor of their shape), as the dispatch computed them, without autograd: one gather
+        on one device. Expert parallel dispatches would need the exchange again: refused."""
+        if not self.local:
+            raise ValueError("handle: regather() needs a one-device dispatch; this one is "
+                             "expert-parallel")
+        _, ops = _ops(self.backend, self.device)
+        return _tokens_to_rows(source.detach().contiguous(), self.plan, ops)
 
     @property
     def budget_rows(self) -> int:
@@ -442,7 +459,7 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
     permuted = _Dispatch.apply(x, plan, ops)
     handle = DispatchHandle(plan=plan, topk_weight=topk_weight, num_experts=num_experts,
                             hidden=x.shape[1], dtype=x.dtype, device=x.device,
-                            backend=backend_name)
+                            backend=backend_name, source=x)
     return permuted, plan.tokens_per_expert, handle
 
 

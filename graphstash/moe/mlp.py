@@ -19,6 +19,14 @@ gated):
 Every GEMM runs once forward and twice backward, as without recomputation. Fewer kept rows
 mean less for a stash to copy out and back, and less memory with or without one.
 
+NOTE [regathered input]: on one device the permuted input is a gather of the dispatched
+tokens, which the step keeps anyway (the router's linear saves them). Given the dispatch's
+``handle``, :func:`expert_mlp` keeps those tokens instead of the ``[rows, hidden]`` permuted
+buffer and gathers it again in backward for the first GEMM's weight gradient: one gather per
+layer in backward buys a budget-sized tensor less per layer, in memory and in what a stash
+copies out and back. Under expert parallelism the rows came through an exchange, so the
+permuted buffer is kept.
+
 NOTE [count-aware expert kernels]: the activation, its gate product, the router-weight
 scaling, their backward and the per-row weight-gradient dot run as one fused kernel each way
 (``raw_kernels/moe_experts.cu``; :mod:`graphstash.reference.experts` is the oracle) that
@@ -29,11 +37,13 @@ multiplies them by zero, so under it the kernels write zeros there instead.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .._checks import describe, require_tensor
 from ..reference.experts import ACTIVATIONS
-from .experts import _check_grouped_args, grouped_mm, grouped_mm_grads, resolve_impl
+from .experts import _check_grouped_args, _forward, grouped_mm, grouped_mm_grads, resolve_impl
 
 __all__ = ["expert_mlp"]
 
@@ -53,6 +63,26 @@ def _ops(device: torch.device):
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _RegatheredGEMM(torch.autograd.Function):
+    """``pre = grouped_mm(x, w1)`` keeping the dispatched tokens instead of x (NOTE
+    [regathered input]); x's gradient flows on to the dispatch, the tokens get none here."""
+
+    @staticmethod
+    def forward(ctx, x, source, w1, counts, impl, handle):
+        ctx.save_for_backward(source, w1, counts)
+        # the handle without its own reference to the tokens: they reach backward only
+        # through save_for_backward (version check, saved-tensor hooks)
+        ctx.impl, ctx.handle = impl, dataclasses.replace(handle, source=None)
+        return _forward(x, w1, counts, impl)
+
+    @staticmethod
+    def backward(ctx, grad):
+        source, w1, counts = ctx.saved_tensors
+        x = ctx.handle.regather(source)
+        grad_x, grad_w = grouped_mm_grads(grad.contiguous(), x, w1, counts, ctx.impl)
+        return grad_x, None, grad_w, None, None, None
 
 
 class _ActivatedGEMM(torch.autograd.Function):
@@ -98,8 +128,8 @@ class _ActivatedGEMM(torch.autograd.Function):
 
 def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                tokens_per_expert: torch.Tensor, row_weight: torch.Tensor | None = None,
-               *, gated: bool = False, activation: str = "silu",
-               impl: str = "auto") -> torch.Tensor:
+               *, gated: bool = False, activation: str = "silu", impl: str = "auto",
+               handle=None) -> torch.Tensor:
     """``y[rows of e] = (act(x[rows of e] @ w1[e].T) * row_weight) @ w2[e].T``.
 
     Plain: ``act = silu``. Gated (SwiGLU, HuggingFace's ``gate_up_proj`` / ``down_proj``
@@ -120,6 +150,9 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         gated: whether w1 holds gate and up projections (see above).
         activation: ``"silu"``.
         impl: as for :func:`~graphstash.moe.grouped_mm`, for each of the two GEMMs.
+        handle: the :class:`~graphstash.moe.DispatchHandle` of the dispatch that produced x;
+            on one device x is then gathered again in backward instead of being kept (NOTE
+            [regathered input]). Ignored under expert parallelism.
     Returns ``[rows, hidden_out]``; rows past the counts are unspecified. Differentiable in
     x, w1, w2 and row_weight. Autograd keeps x and the pre-activation, no more (NOTE [expert
     MLP saved tensors]); the elementwise work touches only the rows inside the counts (NOTE
@@ -127,7 +160,7 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
 
         permuted, counts, handle = dispatch(x, idx, w, E, budget=budget)
         y = expert_mlp(permuted, gate_up_proj, down_proj, counts, handle.permuted_weights(),
-                       gated=True)
+                       gated=True, handle=handle)
         out = combine(y, handle, weighted=False)
     """
     _check_grouped_args(x, w1, tokens_per_expert)
@@ -150,6 +183,14 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                 or row_weight.device != x.device):
             raise ValueError(f"row_weight: expected [{x.shape[0]}] in {x.dtype} on {x.device}, "
                              f"got {describe(row_weight)}")
-    pre = grouped_mm(x, w1, tokens_per_expert, impl=impl)
+    if handle is not None and handle.local and handle.source is not None:
+        if tuple(x.shape) != (handle.budget_rows, handle.hidden) or x.device != handle.device:
+            raise ValueError(f"handle: x must be the permuted output of that dispatch "
+                             f"([{handle.budget_rows}, {handle.hidden}] on {handle.device}), got "
+                             f"{describe(x)}")
+        pre = _RegatheredGEMM.apply(x, handle.source, w1, tokens_per_expert,
+                                    resolve_impl(x, w1, impl), handle)
+    else:
+        pre = grouped_mm(x, w1, tokens_per_expert, impl=impl)
     return _ActivatedGEMM.apply(pre, row_weight, w2, tokens_per_expert,
                                 resolve_impl(pre, w2, impl), gated)
