@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from graphstash.models import MoEModel, preset
+from graphstash.models import PRESETS, MoEModel, preset
 
 
 def profile_mode(config, mode: str, top: int) -> float:
@@ -34,12 +35,14 @@ def profile_mode(config, mode: str, top: int) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    times = collections.Counter()
+    times, launches = collections.Counter(), 0
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             times[evt.name[:90]] += evt.device_time
+            launches += 1
     total = sum(times.values()) / 1e3
-    print(f"\n== {mode}: {total:.2f} ms of kernel time in one step")
+    print(f"\n== {mode}: {total:.2f} ms of kernel time in one step, {launches} kernels "
+          f"({launches / config.layers:.0f} per layer)")
     for name, us in times.most_common(top):
         print(f"{us / 1e3:9.3f} ms  {name}")
     del model, opt
@@ -55,7 +58,13 @@ def main() -> None:
     parser.add_argument("--modes", default="plain,budget")
     parser.add_argument("--top", type=int, default=14)
     args = parser.parse_args()
-    config = preset(args.preset, layers=args.layers, num_tokens=args.tokens)
+    if args.preset in PRESETS:
+        config = preset(args.preset, layers=args.layers, num_tokens=args.tokens)
+    else:
+        from graphstash.bench.moe import CONFIGS
+
+        config = dataclasses.replace(CONFIGS[args.preset], layers=args.layers,
+                                     num_tokens=args.tokens)
     for mode in args.modes.split(","):
         profile_mode(config, mode, args.top)
 
