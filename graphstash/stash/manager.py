@@ -488,7 +488,7 @@ class StashManager:
         policy = self.config.policy
         stash = policy == "always" or (policy == "auto" and saving > cost)
         if policy == "auto":
-            why = (f"saves {saving / 2**20:.0f} MiB of budget rows, costs {cost / 2**20:.0f} "
+            why = (f"saves {saving / 2**20:.1f} MiB of budget rows, costs {cost / 2**20:.1f} "
                    "MiB for a reload")
         else:
             why = f"policy={policy!r}"
