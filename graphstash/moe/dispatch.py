@@ -445,7 +445,8 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
         check_routing(topk_idx, num_experts)
 
     if group is None:
-        plan = plan_local(topk_idx, num_experts, None if dropless else budget, pad_multiple)
+        plan = plan_local(topk_idx, num_experts, None if dropless else budget, pad_multiple,
+                          ops=ops, status=None if dropless else status)
     else:
         import torch.distributed as dist
 
@@ -455,7 +456,8 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                                                              num_experts // W)))
         plan = plan_expert_parallel(topk_idx, num_experts, None if dropless else budget,
                                     pad_multiple, group, None if dropless else chunk_rows)
-    _update_status(status, plan, dropless)
+    if not plan.status_updated:
+        _update_status(status, plan, dropless)
     permuted = _Dispatch.apply(x, plan, ops)
     handle = DispatchHandle(plan=plan, topk_weight=topk_weight, num_experts=num_experts,
                             hidden=x.shape[1], dtype=x.dtype, device=x.device,
