@@ -2,7 +2,8 @@
 
 ``torch._grouped_mm`` where it works for the device, dtype and layout, otherwise a
 per-expert loop (eager only: it reads the counts back) or, while a CUDA graph is being
-captured, a masked dense product over every expert (capturable, ``E`` times the work).
+captured, a Triton grouped GEMM over device offsets (fp16, bf16, fp32) or, without Triton,
+a masked dense product over every expert (capturable, ``E`` times the work).
 See NOTE [grouped_mm under capture].
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import warnings
 import torch
 
 from .._checks import describe, is_capturing, require_tensor
+from . import _triton_grouped
 
 __all__ = ["grouped_mm", "grouped_mm_grads", "reads_rows_past_counts", "resolve_impl"]
 
@@ -25,14 +27,22 @@ __all__ = ["grouped_mm", "grouped_mm_grads", "reads_rows_past_counts", "resolve_
 #   - capture: the fast-path gate holds (bf16, compute capability 9.x or 10.x) AND the same
 #     forward and backward captured into a throwaway CUDA graph (under saved-tensor hooks of
 #     our own, so an enclosing stash_activations does not see the probe) replay correctly.
-# Inside a capture the native op is used only when the capture fact holds; otherwise the
-# masked dense product runs. A capture that meets a (device, dtype) never probed eagerly
-# cannot probe (a capture inside a capture is not allowed), takes the masked product and
-# warns once: run one eager step first (graph_step's warmup does).
+# Inside a capture "auto" uses the native op when the capture fact holds (and the layout
+# fits). Otherwise it uses the Triton grouped GEMM (_triton_grouped.py, NOTE [triton grouped
+# GEMM]: fp16, bf16 and fp32, device offsets, static grid) when its kernels were compiled
+# and loaded before the capture: every eager "auto" call that a capture could not serve
+# natively prepares them (graph_step's warmup steps are such calls; the first costs a
+# compile). Failing that (no Triton, float64, never ran eagerly) it takes the masked dense
+# product (E times the work) and warns once.
+# Eagerly "auto" keeps the native op (or the loop) and never picks Triton: whether Triton is
+# faster than the eager native fallback at a given shape is measured on a GPU
+# (benchmarks/probes/grouped_gemm.py), not assumed. A capture that meets a (device, dtype)
+# never probed eagerly cannot probe (a capture inside a capture is not allowed): run one
+# eager step first.
 
 _eager_ok: dict[tuple, bool] = {}
 _capture_ok: dict[tuple, bool] = {}
-_warned_unprobed: set = set()
+_warned_masked: set = set()
 
 
 def _grouped_mm_native(x, weight, offsets):
@@ -92,16 +102,34 @@ def _native_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     capturing = is_capturing()
     if key not in _eager_ok:
         if capturing:
-            if key not in _warned_unprobed:
-                _warned_unprobed.add(key)
-                warnings.warn(
-                    f"grouped_mm: first call for {x.dtype} on {x.device} is inside a CUDA graph "
-                    "capture, so torch._grouped_mm could not be probed; using the masked dense "
-                    "fallback (num_experts times the work). Run one eager step before "
-                    "capturing (graph_step's warmup does).", RuntimeWarning, stacklevel=3)
             return False
         _probe(x.device, x.dtype)
     return _capture_ok[key] if capturing else _eager_ok[key]
+
+
+def _auto(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """What ``impl="auto"`` runs here, now (NOTE [grouped_mm under capture])."""
+    native = _native_ok(x, weight)
+    if not is_capturing():
+        if x.device.type == "cuda" and not (
+                _layout_ok(x, weight) and _capture_ok.get(_key(x.device, x.dtype), False)):
+            _triton_grouped.prepare(x, weight)        # for a capture that may follow
+        return "grouped" if native else "loop"
+    if native:
+        return "grouped"
+    if _triton_grouped.ready(x, weight):
+        return "triton"
+    key = _key(x.device, x.dtype)
+    if key not in _warned_masked:
+        _warned_masked.add(key)
+        why = (_triton_grouped.unavailable_reason(x.device, x.dtype)
+               or "its kernels were not compiled before the capture")
+        warnings.warn(
+            f"grouped_mm: inside this CUDA graph capture neither torch._grouped_mm nor the "
+            f"Triton grouped GEMM can run for {x.dtype} on {x.device} ({why}); using the "
+            "masked dense fallback (num_experts times the work). Run one eager step before "
+            "capturing (graph_step's warmup does).", RuntimeWarning, stacklevel=4)
+    return "masked"
 
 
 def _probe(device, dtype: torch.dtype) -> tuple[bool, bool]:
@@ -228,8 +256,9 @@ def reads_rows_past_counts(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``grouped_mm(x, weight, ...)`` called here, now, with ``impl="auto"`` reads the
     rows of ``x`` past the expert counts in its backward: only the masked dense fallback
     does (its weight gradient multiplies them by zero, so they must be finite). The native
-    grouped GEMM and the per-expert loop touch only the rows inside the offsets."""
-    return is_capturing() and not _native_ok(x, weight)
+    grouped GEMM, the Triton one and the per-expert loop touch only the rows inside the
+    offsets."""
+    return is_capturing() and _auto(x, weight) == "masked"
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
@@ -242,8 +271,9 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.T
         tokens_per_expert: int32/int64 ``[num_local_experts]`` rows of each expert, on x's
             device; their sum is at most ``rows``. Rows past the sum are not computed
             (their values are unspecified).
-        impl: ``"auto"``, ``"grouped"`` (torch._grouped_mm), ``"loop"`` (eager, reads the
-            counts back) or ``"masked"`` (capturable dense fallback).
+        impl: ``"auto"``, ``"grouped"`` (torch._grouped_mm), ``"triton"`` (a Triton kernel
+            over device offsets: float16, bfloat16, float32; capturable), ``"loop"`` (eager,
+            reads the counts back) or ``"masked"`` (capturable dense fallback).
     Returns ``[rows, out]``; differentiable in x and weight (the weight's gradient in its
     own contiguous layout, NOTE [weight gradient layout]).
     """
@@ -256,6 +286,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Ten
     if impl == "grouped":
         offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
         return _grouped_mm_native(x, weight, offsets)
+    if impl == "triton":
+        return _triton_grouped.forward(x, weight, tokens_per_expert)
     if impl == "masked":
         return _masked_dense(x, weight, tokens_per_expert)
     return _loop(x, weight, [int(n) for n in tokens_per_expert.tolist()])
@@ -295,19 +327,34 @@ def _check_grouped_args(x, weight, tokens_per_expert) -> None:
 
 def resolve_impl(x: torch.Tensor, weight: torch.Tensor, impl: str = "auto") -> str:
     """The implementation ``grouped_mm(x, weight, ..., impl=impl)`` runs here, now:
-    ``"grouped"``, ``"loop"`` or ``"masked"`` (``"auto"`` decides as NOTE [grouped_mm under
-    capture] says). Raises ValueError for an unknown ``impl`` and CaptureError for
-    ``"loop"`` under capture."""
+    ``"grouped"``, ``"triton"``, ``"loop"`` or ``"masked"`` (``"auto"`` decides as NOTE
+    [grouped_mm under capture] says). Raises ValueError for an unknown ``impl``, TypeError for
+    ``"triton"`` with a dtype it does not take, BackendUnavailableError for ``"triton"``
+    without Triton, and CaptureError for ``"loop"`` under capture."""
     if impl == "auto":
-        return "grouped" if _native_ok(x, weight) else ("masked" if is_capturing() else "loop")
-    if impl not in ("grouped", "loop", "masked"):
-        raise ValueError(f"impl: expected 'auto', 'grouped', 'loop' or 'masked', got {impl!r}")
+        return _auto(x, weight)
+    if impl not in _IMPLS:
+        raise ValueError(f"impl: expected 'auto', {', '.join(map(repr, _IMPLS))}, got {impl!r}")
     if impl == "loop" and is_capturing():
         from ..errors import CaptureError
 
         raise CaptureError("grouped_mm(impl='loop') reads the expert counts back to the "
                            "host and cannot run while a CUDA graph is being captured")
+    if impl == "triton":
+        why = _triton_grouped.unavailable_reason(x.device, x.dtype)
+        if x.dtype not in _triton_grouped.DTYPES:
+            raise TypeError(f"x: impl='triton' expected float16, bfloat16 or float32, got "
+                            f"{describe(x)}")
+        if why is not None:
+            from ..errors import BackendUnavailableError
+
+            raise BackendUnavailableError(f"grouped_mm(impl='triton'): {why}")
+        if not is_capturing():
+            _triton_grouped.prepare(x, weight)
     return impl
+
+
+_IMPLS = ("grouped", "triton", "loop", "masked")
 
 
 def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -323,6 +370,8 @@ def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     the counts are unspecified, as are those of a forward's output; rows of ``grad`` and
     ``x`` past the counts are read only by ``"masked"`` (which multiplies them by zero).
     """
+    if impl == "triton":
+        return _triton_grouped.grads(grad, x, weight, tokens_per_expert)
     if impl == "grouped":
         # NOTE [weight gradient layout]: grad_w[e] = grad_e^T @ x_e is computed as one grouped
         # product with grad^T as the first operand, so it comes out [experts, out, in], the
@@ -357,4 +406,4 @@ def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                 grad_w[e] = grad[start:start + n].t() @ x[start:start + n]
             start += n
         return grad_x, grad_w
-    raise ValueError(f"impl: expected 'grouped', 'loop' or 'masked', got {impl!r}")
+    raise ValueError(f"impl: expected one of {_IMPLS}, got {impl!r}")
