@@ -170,3 +170,67 @@ def test_package_imports_without_triton():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def _compile_for_hopper(fn, args: dict, constexprs: dict, dtype: str, config):
+    """Compile ``fn`` for sm90 without a GPU, specialised as a launch would be: pointers and
+    multiples of 16 marked divisible by 16, ints equal to 1 made constants, the row counts
+    (``do_not_specialize``) left alone."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs, constexprs = {}, {}, dict(constexprs)
+    for i, name in enumerate(fn.arg_names):
+        value = args.get(name)
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif isinstance(value, str):                        # a pointer: "*fp16", "*i64"
+            signature[name], attrs[(i,)] = value, [["tt.divisibility", 16]]
+        elif name not in ("M", "num_tiles") and value == 1:
+            signature[name], constexprs[name] = "constexpr", 1
+        else:
+            signature[name] = "i32"
+            if name not in ("M", "num_tiles") and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+
+
+@needs_triton
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,prec", [("fp16", "tf32"), ("bf16", "tf32"), ("fp32", "ieee"),
+                                        ("fp32", "tf32")])
+def test_kernels_compile_for_hopper(dtype, prec):
+    """The compiled (not interpreted) kernels build for sm90 at Mixtral-8x7B widths, forward,
+    grad_x and grad_w: 16-bit and allowed-tf32 products on tensor cores (wgmma), exact fp32
+    ones (tf32 not allowed) with no tensor-core instruction at all."""
+    import triton
+
+    from graphstash.moe import _triton_grouped_kernels as src
+
+    rows_kernel = triton.jit(src.grouped_rows, do_not_specialize=["M", "num_tiles"])
+    weight_kernel = triton.jit(src.grouped_weight_grad, do_not_specialize=["M"])
+    config = tg._CONFIGS["16-bit" if dtype != "fp32" else prec]
+    E, N, K, M = 8, 28672, 4096, 16384
+    plan = dict(tile_expert_ptr="*i64", starts_ptr="*i64", ends_ptr="*i64",
+                first_tile_ptr="*i64", M=M, num_tiles=M // 64 + E, num_experts=E,
+                a_ptr=f"*{dtype}", b_ptr=f"*{dtype}", c_ptr=f"*{dtype}")
+    tiles = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k,
+                 GROUP_M=config.group_m, PREC=prec, DOT_F32=False)
+    builds = [
+        (rows_kernel, dict(plan, N=N, K=K, stride_am=K, stride_be=N * K, stride_bk=1,
+                           stride_bn=K, stride_cm=N), tiles),
+        (rows_kernel, dict(plan, N=K, K=N, stride_am=N, stride_be=N * K, stride_bk=K,
+                           stride_bn=1, stride_cm=K), tiles),
+        (weight_kernel, dict(p_ptr=f"*{dtype}", q_ptr=f"*{dtype}", c_ptr=f"*{dtype}",
+                             starts_ptr="*i64", ends_ptr="*i64", M=M, I=N, J=K, stride_pm=N,
+                             stride_qm=K, stride_ce=N * K, stride_ci=K),
+         dict(BI=config.block_n, BJ=config.block_n, BR=config.block_k, PREC=prec,
+              DOT_F32=False)),
+    ]
+    for fn, args, constexprs in builds:
+        ptx = _compile_for_hopper(fn, args, constexprs, dtype, config).asm["ptx"]
+        tensor_cores = "wgmma" in ptx or "mma.sync" in ptx
+        assert tensor_cores == (prec == "tf32" or dtype != "fp32"), (fn, args)
