@@ -177,3 +177,31 @@ def test_unprepared_signature_under_capture(gen, monkeypatch):
     graph.replay()
     torch.testing.assert_close(y[:24], grouped_mm(x, w, counts, impl="loop")[:24],
                                rtol=2e-3, atol=2e-3)
+
+
+def _compiled_count() -> int:
+    """Kernels Triton has compiled for our two sources, over every device and signature."""
+    kernels = tg._kernels(False)
+    if not all(hasattr(k, "device_caches") for k in kernels):
+        pytest.skip("this Triton keeps its compiled kernels elsewhere (no device_caches)")
+    return sum(len(entry[0]) for k in kernels for entry in k.device_caches.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_prepare_compiles_what_the_capture_launches(gen, dtype):
+    """prepare() (run by an eager "auto" call) compiles exactly the signatures the captured
+    forward and both gradients launch: the capture compiles nothing (loading a module inside
+    a capture is not permitted), for an x of any row count and a grad from autograd."""
+    x = (tokens(77, 40, gen, dtype) / 77).cuda().requires_grad_()
+    w = (torch.rand(3, 56, 40, generator=gen) - 0.5).to("cuda", dtype).requires_grad_()
+    counts = torch.tensor([30, 0, 41], dtype=torch.int32, device="cuda")
+    assert tg.prepare(x.new_empty(0, 8), w)            # another width, no rows: same kernels
+    before = _compiled_count()
+
+    def step():
+        x.grad = w.grad = None
+        grouped_mm(x, w, counts, impl="triton").backward(torch.ones(77, 56, device="cuda",
+                                                                   dtype=dtype))
+
+    capture_with_output(step, warmup=0)
+    assert _compiled_count() == before

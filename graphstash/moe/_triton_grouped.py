@@ -242,8 +242,8 @@ def prepare(x: torch.Tensor, weight: torch.Tensor, *, config: TileConfig | None 
     CUDA graph capture can launch them (NOTE [triton grouped GEMM]). Not capturable.
 
     Args:
-        x: ``[rows, in]`` float16/bfloat16/float32 CUDA tensor (only its dtype and width
-            matter; any row count, including 0).
+        x: float16/bfloat16/float32 CUDA tensor: only its dtype and device matter (the
+            widths come from the weight).
         weight: ``[experts, out, in]``, dtype and device of x.
         config: the tiles to prepare (default: :func:`default_config`).
     Returns whether they are ready. A failure to compile is remembered and warned about once;
@@ -259,22 +259,23 @@ def prepare(x: torch.Tensor, weight: torch.Tensor, *, config: TileConfig | None 
     if is_capturing():
         return False
     try:
-        x, weight = _dense(x), _dense(weight)
+        weight = _dense(weight)
         with _device_of(x):
             launcher = _Launcher(x, weight, config=config, warm=True)
-            plan = _plan(torch.zeros(weight.shape[0], dtype=torch.int64, device=x.device),
-                         x.shape[0], launcher.cfg.block_m)
+            plan = _plan(torch.zeros(weight.shape[0], dtype=torch.int64, device=x.device), 0,
+                         launcher.cfg.block_m)
             # Warm-up launches nothing, so zero-row stand-ins with the dtype, alignment and
-            # row strides of the real operands give the signatures the real calls will have
-            # (forward: out [rows, out]; grad_x: grad [rows, out] -> [rows, in]; grad_w:
-            # grad, x -> [experts, out, in], the weight's own shape and strides).
+            # row strides the real (dense) operands will have give the signatures the real
+            # calls will have: forward x [rows, in] -> [rows, out]; grad_x grad [rows, out]
+            # -> [rows, in]; grad_w grad, x -> [experts, out, in] (the weight's own layout).
+            # Only x's dtype and device are taken: the caller may pass a tensor of another
+            # width (expert_mlp decides for its second GEMM from the first one's output).
             n_out, n_in = weight.shape[1], weight.shape[2]
-            grad = x.new_empty(0, n_out)
-            launcher.rows(x, weight, _weight_t_strides(weight), x.new_empty(0, n_out), plan,
-                          n_out, n_in)
-            launcher.rows(grad, weight, _weight_strides(weight), x.new_empty(0, n_in), plan,
-                          n_in, n_out)
-            launcher.weight_grad(grad, x, weight, plan)
+            rows_in, rows_out = x.new_empty(0, n_in), x.new_empty(0, n_out)
+            launcher.rows(rows_in, weight, _weight_t_strides(weight), rows_out, plan, n_out,
+                          n_in)
+            launcher.rows(rows_out, weight, _weight_strides(weight), rows_in, plan, n_in, n_out)
+            launcher.weight_grad(rows_out, rows_in, weight, plan)
     except Exception as err:    # noqa: BLE001 - any failure means "not available here"
         _failed[sig] = f"{type(err).__name__}: {err}"
         warnings.warn(f"grouped_mm: the Triton grouped GEMM for {x.dtype} on {x.device} could "
