@@ -9,12 +9,13 @@ import sys
 import pytest
 import torch
 
+from graphstash import _layout as L
 from graphstash.errors import BackendUnavailableError
 from graphstash.moe import _triton_grouped as tg
-from graphstash.moe import grouped_mm
+from graphstash.moe import budget_rows, combine, dispatch, expert_mlp, grouped_mm
 from graphstash.moe.experts import grouped_mm_grads, reads_rows_past_counts, resolve_impl
 
-from _moe_data import tokens
+from _moe_data import routing, tokens
 
 needs_triton = pytest.mark.skipif(tg.unavailable_reason(torch.device("cpu"), torch.float32)
                                   is not None, reason="needs triton (its CPU interpreter): "
@@ -234,3 +235,27 @@ def test_kernels_compile_for_hopper(dtype, prec):
         ptx = _compile_for_hopper(fn, args, constexprs, dtype, config).asm["ptx"]
         tensor_cores = "wgmma" in ptx or "mma.sync" in ptx
         assert tensor_cores == (prec == "tf32" or dtype != "fp32"), (fn, args)
+
+
+@needs_triton
+def test_interpreted_moe_layer_through_triton_matches_loop(gen):
+    """dispatch -> gated expert_mlp (the input regathered in backward, router weights) ->
+    combine with impl="triton" for both GEMMs equals impl="loop": output and the gradients of
+    the tokens, the router weights and both expert weights."""
+    T, H, F, E, K = 20, 16, 12, 3, 2
+    x = (tokens(T, H, gen) / T).requires_grad_()
+    idx, w = routing(T, K, E, gen)
+    w = w.requires_grad_()
+    w1 = (torch.rand(E, 2 * F, H, generator=gen) - 0.5).requires_grad_()
+    w2 = (torch.rand(E, H, F, generator=gen) - 0.5).requires_grad_()
+    budget = budget_rows(T, K, E, capacity_factor=2.0)
+    results = []
+    for impl in ("triton", "loop"):
+        status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32)
+        permuted, counts, handle = dispatch(x, idx, w, E, budget=budget, status=status)
+        y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), gated=True,
+                       impl=impl, handle=handle)
+        out = combine(y, handle, weighted=False)
+        results.append([out] + list(torch.autograd.grad(out.pow(2).sum(), (x, w, w1, w2))))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
