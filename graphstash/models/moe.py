@@ -197,9 +197,10 @@ class MoEModel(nn.Module):
 
     ``forward(x)`` takes ``[num_tokens, hidden]`` tokens on the model's device and dtype and
     returns the same shape. Train it in bf16 on a GPU (``.to(device, torch.bfloat16)``): that
-    is what the benchmark and the demo measure, and the only dtype whose grouped GEMM
-    (``torch._grouped_mm``) is captured into a CUDA graph; other dtypes capture a masked
-    dense product instead (NOTE [grouped_mm under capture] in ``experts.py``). Example::
+    is what the benchmark and the demo measure, and the dtype whose grouped GEMM
+    (``torch._grouped_mm``) CUTLASS runs inside a CUDA graph; float16 and float32 capture a
+    Triton grouped GEMM instead, or without Triton a masked dense product (NOTE [grouped_mm
+    under capture] in ``graphstash/moe/experts.py``). Example::
 
         model = MoEModel(MoEConfig(hidden=64, ffn=128), mode="budget").to(device, torch.bfloat16)
         loss = model(x).float().pow(2).mean()     # x: [num_tokens, 64] bf16 on device
