@@ -203,6 +203,9 @@ def _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_mult
     if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(f"topk_idx: expected shape ({x.shape[0]}, topk) to match "
                          f"x {tuple(x.shape)}, got {describe(topk_idx)}")
+    if topk_idx.shape[1] == 0:
+        raise ValueError(f"topk_idx: expected at least one expert per token (topk >= 1), got "
+                         f"{describe(topk_idx)}")
     _check_float("topk_weight", topk_weight, x.device)
     if tuple(topk_weight.shape) != tuple(topk_idx.shape):
         raise ValueError(f"topk_weight: expected shape {tuple(topk_idx.shape)} (that of "

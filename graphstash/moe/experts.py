@@ -12,7 +12,8 @@ import warnings
 
 import torch
 
-from .._checks import describe, is_capturing, require_tensor
+from .. import _layout as L
+from .._checks import COUNT_DTYPES, describe, is_capturing, require_tensor
 from . import _triton_grouped
 
 __all__ = ["grouped_mm", "grouped_mm_grads", "reads_rows_past_counts", "resolve_impl"]
@@ -40,6 +41,19 @@ __all__ = ["grouped_mm", "grouped_mm_grads", "reads_rows_past_counts", "resolve_
 # never probed eagerly cannot probe (a capture inside a capture is not allowed): run one
 # eager step first.
 
+# NOTE [expert counts]
+# tokens_per_expert says which rows of x each expert reads. A negative count, or counts that
+# sum past the rows of x, would make the experts read and write rows that are not there (the
+# per-expert loop returned 44 rows for 32; the native grouped GEMM would read past the
+# buffer). Counts on the host, and counts an implementation reads back anyway ("loop"), are
+# checked there: ValueError naming tokens_per_expert. Counts on the device are not read back
+# (a graph could not hold that): a check of two device scalars raises OVERFLOW_COUNT in the
+# status's SS_OVERFLOW slot (as a stash of a bad count does, so graph_step skips the update and
+# reruns the step), and the offsets the GEMMs use (already a per-call tensor) are zeroed in
+# place, so every group is empty and nothing outside x is touched (the Triton GEMM clamps the
+# counts itself: NOTE [triton grouped GEMM]); the output is then unspecified. No host read, no
+# allocation beyond the scalars.
+
 _eager_ok: dict[tuple, bool] = {}
 _capture_ok: dict[tuple, bool] = {}
 _warned_masked: set = set()
@@ -59,9 +73,8 @@ def _loop(x, weight, counts_list):
     return torch.cat(pieces)
 
 
-def _masked_dense(x, weight, tokens_per_expert):
-    ends = torch.cumsum(tokens_per_expert.long(), 0)
-    starts = ends - tokens_per_expert.long()
+def _masked_dense(x, weight, tokens_per_expert, bad=None):
+    starts, ends = _group_bounds(tokens_per_expert, bad)
     rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1)
     out = x.new_zeros(x.shape[0], weight.shape[1])
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
@@ -262,35 +275,88 @@ def reads_rows_past_counts(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
-               *, impl: str = "auto") -> torch.Tensor:
+               *, impl: str = "auto", status: torch.Tensor | None = None) -> torch.Tensor:
     """``out[rows of e] = x[rows of e] @ weight[e].T`` for consecutive row groups.
 
     Args:
         x: ``[rows, in]`` permuted tokens (the dispatch output), any float dtype.
         weight: ``[num_local_experts, out, in]`` expert weights, dtype and device of x.
         tokens_per_expert: int32/int64 ``[num_local_experts]`` rows of each expert, on x's
-            device; their sum is at most ``rows``. Rows past the sum are not computed
-            (their values are unspecified).
+            device; each >= 0, their sum at most ``rows``. Rows past the sum are not computed
+            (their values are unspecified). Bad counts raise ValueError where they are on the
+            host or read back (``"loop"``); on the device they set the overflow flag of
+            ``status`` instead (NOTE [expert counts]).
         impl: ``"auto"``, ``"grouped"`` (torch._grouped_mm), ``"triton"`` (a Triton kernel
             over device offsets: float16, bfloat16, float32; capturable), ``"loop"`` (eager,
             reads the counts back) or ``"masked"`` (capturable dense fallback).
+        status: int32 ``[8]`` status tensor on x's device that device-side counts out of
+            range flag (default :func:`~graphstash.moe.default_status`); give it
+            ``train_step.status`` under :func:`graphstash.graph_step`.
     Returns ``[rows, out]``; differentiable in x and weight (the weight's gradient in its
-    own contiguous layout, NOTE [weight gradient layout]).
+    own contiguous layout, NOTE [weight gradient layout]). Example::
+
+        y = grouped_mm(permuted, w1, counts, status=train_step.status)
     """
     _check_grouped_args(x, weight, tokens_per_expert)
-    return _GroupedMM.apply(x, weight, tokens_per_expert, resolve_impl(x, weight, impl))
+    impl = resolve_impl(x, weight, impl)
+    bad = None if impl == "loop" else _bad_counts(tokens_per_expert, x.shape[0])
+    if bad is not None:
+        _flag_bad_counts(bad, x.device, status)
+    return _GroupedMM.apply(x, weight, tokens_per_expert, impl, bad)
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
-             impl: str) -> torch.Tensor:
+             impl: str, bad: torch.Tensor | None) -> torch.Tensor:
+    if impl == "loop":
+        return _loop(x, weight, _host_counts(tokens_per_expert, x.shape[0]))
     if impl == "grouped":
-        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-        return _grouped_mm_native(x, weight, offsets)
-    if impl == "triton":
+        return _grouped_mm_native(x, weight, _offsets(tokens_per_expert, bad))
+    if impl == "triton":        # clamps the counts itself (NOTE [triton grouped GEMM])
         return _triton_grouped.forward(x, weight, tokens_per_expert)
-    if impl == "masked":
-        return _masked_dense(x, weight, tokens_per_expert)
-    return _loop(x, weight, [int(n) for n in tokens_per_expert.tolist()])
+    return _masked_dense(x, weight, tokens_per_expert, bad)
+
+
+def _host_counts(tokens_per_expert: torch.Tensor, rows: int) -> list[int]:
+    """The counts as ints, or ValueError if one is negative or they sum past ``rows``."""
+    counts = [int(n) for n in tokens_per_expert.tolist()]
+    shown = counts if len(counts) <= 16 else counts[:16] + ["..."]
+    if any(n < 0 for n in counts):
+        raise ValueError(f"tokens_per_expert: expected counts >= 0, got {shown}")
+    if sum(counts) > rows:
+        raise ValueError(f"tokens_per_expert: expected counts summing to at most the {rows} "
+                         f"rows of x, got {sum(counts)} ({shown})")
+    return counts
+
+
+def _bad_counts(tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """0-dim bool on the device: some count is negative or they sum past ``rows``; None for
+    counts on the host (checked eagerly). NOTE [expert counts]"""
+    if tokens_per_expert.device.type == "cpu":
+        return None
+    return (tokens_per_expert.min() < 0) | (tokens_per_expert.sum() > rows)
+
+
+def _flag_bad_counts(bad: torch.Tensor, device: torch.device, status) -> None:
+    from .dispatch import _check_status, default_status
+
+    status = default_status(device) if status is None else _check_status(status, device)
+    status.narrow(0, L.SS_OVERFLOW, 1).bitwise_or_(bad.to(torch.int32) * L.OVERFLOW_COUNT)
+
+
+def _offsets(tokens_per_expert: torch.Tensor, bad: torch.Tensor | None) -> torch.Tensor:
+    """int32 end offsets of the groups; all zero (every group empty) where ``bad`` holds."""
+    offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+    if bad is not None:
+        offsets.masked_fill_(bad, 0)
+    return offsets
+
+
+def _group_bounds(tokens_per_expert: torch.Tensor, bad: torch.Tensor | None):
+    """int64 ``(starts, ends)`` of the groups; every group empty where ``bad`` holds."""
+    ends = torch.cumsum(tokens_per_expert.long(), 0)
+    if bad is not None:
+        ends.masked_fill_(bad, 0)
+    return ends - tokens_per_expert.long(), ends
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -298,17 +364,17 @@ class _GroupedMM(torch.autograd.Function):
     gradient comes out in the weight's own layout (NOTE [weight gradient layout])."""
 
     @staticmethod
-    def forward(ctx, x, weight, tokens_per_expert, impl):
+    def forward(ctx, x, weight, tokens_per_expert, impl, bad):
         ctx.save_for_backward(x, weight, tokens_per_expert)
         ctx.impl = impl
-        return _forward(x, weight, tokens_per_expert, impl)
+        return _forward(x, weight, tokens_per_expert, impl, bad)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, tokens_per_expert = ctx.saved_tensors
         grad_x, grad_w = grouped_mm_grads(grad.contiguous(), x, weight, tokens_per_expert,
                                           ctx.impl)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 def _check_grouped_args(x, weight, tokens_per_expert) -> None:
@@ -319,10 +385,17 @@ def _check_grouped_args(x, weight, tokens_per_expert) -> None:
                          f" for x {tuple(x.shape)}, got {describe(weight)}")
     if weight.dtype != x.dtype or weight.device != x.device:
         raise TypeError(f"weight: expected dtype {x.dtype} on {x.device}, got {describe(weight)}")
-    require_tensor("tokens_per_expert", tokens_per_expert, "an int tensor")
-    if tuple(tokens_per_expert.shape) != (weight.shape[0],):
-        raise ValueError(f"tokens_per_expert: expected shape ({weight.shape[0]},), got "
+    expected = f"an int32 or int64 tensor of shape ({weight.shape[0]},) on {x.device}"
+    require_tensor("tokens_per_expert", tokens_per_expert, expected)
+    if tokens_per_expert.dtype not in COUNT_DTYPES:
+        raise TypeError(f"tokens_per_expert: expected {expected}, got {describe(tokens_per_expert)}")
+    if tuple(tokens_per_expert.shape) != (weight.shape[0],) or tokens_per_expert.device != x.device:
+        raise ValueError(f"tokens_per_expert: expected {expected}, got "
                          f"{describe(tokens_per_expert)}")
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight: expected at least one expert, got {describe(weight)}")
+    if tokens_per_expert.device.type == "cpu":       # NOTE [expert counts]
+        _host_counts(tokens_per_expert, x.shape[0])
 
 
 def resolve_impl(x: torch.Tensor, weight: torch.Tensor, impl: str = "auto") -> str:
@@ -372,6 +445,7 @@ def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     """
     if impl == "triton":
         return _triton_grouped.grads(grad, x, weight, tokens_per_expert)
+    bad = _bad_counts(tokens_per_expert, x.shape[0]) if impl != "loop" else None
     if impl == "grouped":
         # NOTE [weight gradient layout]: grad_w[e] = grad_e^T @ x_e is computed as one grouped
         # product with grad^T as the first operand, so it comes out [experts, out, in], the
@@ -379,13 +453,12 @@ def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         # does for torch._grouped_mm) hands AccumulateGrad a transposed view, which it copies
         # into a contiguous gradient: a strided pass over every expert weight, measured at
         # 3.0 ms per Mixtral-8x7B layer on an H200 (docs/moe-performance.md).
-        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+        offsets = _offsets(tokens_per_expert, bad)
         grad_x = torch._grouped_mm(grad, weight, offs=offsets)
         grad_w = torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets)
         return grad_x, grad_w
     if impl == "masked":
-        ends = torch.cumsum(tokens_per_expert.long(), 0)
-        starts = ends - tokens_per_expert.long()
+        starts, ends = _group_bounds(tokens_per_expert, bad)
         rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1)
         zero = torch.zeros((), dtype=x.dtype, device=x.device)
         grad_x = x.new_zeros(x.shape)
@@ -396,7 +469,7 @@ def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
             grad_w.append(g.t() @ x)
         return grad_x, torch.stack(grad_w)
     if impl == "loop":
-        counts = [int(n) for n in tokens_per_expert.tolist()]
+        counts = _host_counts(tokens_per_expert, x.shape[0])
         grad_x = x.new_zeros(x.shape)
         grad_w = weight.new_zeros(weight.shape)
         start = 0
