@@ -210,7 +210,7 @@ def test_budget_growth_failing_leaves_the_update_unapplied(gen, monkeypatch):
 
 # ---- the acceptance property ---------------------------------------------------------------
 _OP = st.sampled_from(["good", "overflow", "overflow_raising_callback", "fail_first_run",
-                       "fail_rerun", "overflow_interrupted"])
+                       "fail_rerun", "overflow_interrupted", "calls_optimizer_step"])
 
 
 def _run_property(ops, seed, warmup):
@@ -218,6 +218,7 @@ def _run_property(ops, seed, warmup):
     updates = _count_updates(opt)
     gen = torch.Generator().manual_seed(seed)
     callback = {"raise": None}
+    misuse = {"step": False}
 
     def on_overflow(flags):
         exc, callback["raise"] = callback["raise"], None
@@ -228,13 +229,17 @@ def _run_property(ops, seed, warmup):
     def train_step(x, y, marker):
         loss = torch.nn.functional.mse_loss(model(x, marker), y)
         loss.backward()
+        if misuse["step"]:
+            opt.step()
         return loss
 
     model.status = train_step.status
     applied = 0
     for op in ops:
-        x, y, m = _batch(gen, flagged=op != "good" and op != "fail_first_run")
+        x, y, m = _batch(gen, flagged=op not in ("good", "fail_first_run",
+                                                 "calls_optimizer_step"))
         model.fail = {"fail_first_run": "first", "fail_rerun": "rerun"}.get(op)
+        misuse["step"] = op == "calls_optimizer_step"
         if op == "overflow_raising_callback":
             callback["raise"] = ValueError("callback failed")
         elif op == "overflow_interrupted":
@@ -246,13 +251,15 @@ def _run_property(ops, seed, warmup):
             raised = exc
         if op.startswith("fail"):
             assert isinstance(raised, RuntimeError) and "injected" in str(raised)
+        elif op == "calls_optimizer_step":
+            assert isinstance(raised, ValueError) and "owns optimizer.step()" in str(raised)
         elif op == "overflow_raising_callback":
             assert isinstance(raised, UpdateAppliedError)
         elif op == "overflow_interrupted":
             assert isinstance(raised, KeyboardInterrupt)
         else:
             assert raised is None
-        if not op.startswith("fail"):     # the update of this batch was applied: once
+        if not op.startswith("fail") and op != "calls_optimizer_step":   # applied, once
             _eager_update(ref, ref_opt, x, y)
             applied += 1
         assert updates[0] == train_step.stats.steps == applied, (op, updates[0], applied)

@@ -116,8 +116,8 @@ class _Graph:
 # from zero gradients exactly as ``optimizer.zero_grad()`` would, with no memset. Eager steps
 # (warmup, reruns) call ``zero_grad(set_to_none=True)`` first, which is what an eager loop does;
 # after a rerun ``p.grad`` holds the rerun's gradients while the graph keeps (and keeps alive)
-# its own. A step function should therefore not call ``optimizer.step()`` itself; calling
-# ``zero_grad()`` is harmless.
+# its own. A step function therefore must not call ``optimizer.step()`` itself (it is refused:
+# NOTE [step ownership]); calling ``zero_grad()`` is harmless.
 
 # NOTE [step ownership]
 # The decorator applies the update itself (``optimizer.step()``, or ``scaler.step``/``update``):
@@ -476,7 +476,8 @@ class GraphStep:
             self._check_capturable()
         except ValueError as exc:
             warnings.warn(f"graphstash.graph_step({self._name}): on a CUDA device this step would "
-                          f"be refused: {exc}", RuntimeWarning, stacklevel=4)
+                          f"be refused: {exc} (code that builds the optimizer capturable only on "
+                          "CUDA may filter this warning)", RuntimeWarning, stacklevel=4)
 
     # ---- eager --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -740,7 +741,6 @@ class GraphStep:
         if self._outputs_mode == "static":
             return entry.outputs
         return S.clone_tree(entry.outputs)
-
 
     def _rerun_outputs(self, entry: _Graph, out):
         """What a call returns after a rerun: the static outputs overwritten, or copies."""

@@ -257,6 +257,9 @@ def run(device: str = "auto", steps: int = 20, size: str = "auto", mode: str = "
         # graph_step warns once per step function that it runs eagerly; said above already.
         warnings.filterwarnings("ignore", message=r"graphstash\.graph_step\(.*eagerly",
                                 category=RuntimeWarning)
+        # the optimizer is capturable on a GPU only (torch's CPU optimizers cannot be)
+        warnings.filterwarnings("ignore", message=r"graphstash\.graph_step\(.*capturable=False",
+                                category=RuntimeWarning)
         for m in modes:
             print(f"\n{_label(m, on_gpu)}:")
             results[m] = _train(m, config, dev, dtype, batches, steps, seed)
