@@ -69,3 +69,26 @@ def test_dispatch_refuses_zero_topk_naming_it(gen):
     idx, w = routing(6, 2, E, gen)
     with pytest.raises(ValueError, match=r"topk_idx: expected at least one expert per token"):
         dispatch(x, idx[:, :0], w[:, :0], E, budget=8)
+
+
+@pytest.mark.parametrize("counts, flagged", [([40, -8, 0], True), ([12, 0, 21], True),
+                                             ([12, 0, 20], False)])
+def test_device_count_check_flags_and_empties_every_group(gen, counts, flagged):
+    """The device-side mechanism of NOTE [expert counts], run on CPU tensors: two scalar
+    reductions, a sticky OVERFLOW_COUNT flag, and offsets zeroed in place (no host read)."""
+    from graphstash import _layout as L
+    from graphstash.moe import experts
+
+    x, w = tokens(R, H, gen), _weights(gen)
+    c = torch.tensor(counts, dtype=torch.int32)
+    bad = (c.min() < 0) | (c.sum() > R)               # what _bad_counts computes on a GPU
+    status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32)
+    status[L.SS_OVERFLOW] = 1                          # an earlier pool overflow stays set
+    experts._flag_bad_counts(bad, x.device, status)
+    assert int(status[L.SS_OVERFLOW]) == (1 | L.OVERFLOW_COUNT if flagged else 1)
+    out = experts._forward(x, w, c, "masked", bad)
+    if flagged:
+        assert experts._offsets(c, bad).tolist() == [0, 0, 0]
+        assert torch.equal(out, torch.zeros(R, N))    # every group empty: nothing computed
+    else:
+        torch.testing.assert_close(out, torch.cat([x[:12] @ w[0].t(), x[12:] @ w[2].t()]))
