@@ -306,9 +306,13 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.T
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
-             impl: str, bad: torch.Tensor | None) -> torch.Tensor:
+             impl: str, bad: torch.Tensor | None = None) -> torch.Tensor:
+    """The product of :func:`grouped_mm` by ``impl``; ``bad`` as :func:`_bad_counts` returns
+    it (computed here when not given). NOTE [expert counts]"""
     if impl == "loop":
         return _loop(x, weight, _host_counts(tokens_per_expert, x.shape[0]))
+    if bad is None:
+        bad = _bad_counts(tokens_per_expert, x.shape[0])
     if impl == "grouped":
         return _grouped_mm_native(x, weight, _offsets(tokens_per_expert, bad))
     if impl == "triton":        # clamps the counts itself (NOTE [triton grouped GEMM])
