@@ -311,12 +311,12 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Ten
     it (computed here when not given). NOTE [expert counts]"""
     if impl == "loop":
         return _loop(x, weight, _host_counts(tokens_per_expert, x.shape[0]))
+    if impl == "triton":        # clamps the counts itself (NOTE [triton grouped GEMM])
+        return _triton_grouped.forward(x, weight, tokens_per_expert)
     if bad is None:
         bad = _bad_counts(tokens_per_expert, x.shape[0])
     if impl == "grouped":
         return _grouped_mm_native(x, weight, _offsets(tokens_per_expert, bad))
-    if impl == "triton":        # clamps the counts itself (NOTE [triton grouped GEMM])
-        return _triton_grouped.forward(x, weight, tokens_per_expert)
     return _masked_dense(x, weight, tokens_per_expert, bad)
 
 
