@@ -52,7 +52,10 @@ __all__ = ["grouped_mm", "grouped_mm_grads", "reads_rows_past_counts", "resolve_
 # reruns the step), and the offsets the GEMMs use (already a per-call tensor) are zeroed in
 # place, so every group is empty and nothing outside x is touched (the Triton GEMM clamps the
 # counts itself: NOTE [triton grouped GEMM]); the output is then unspecified. No host read, no
-# allocation beyond the scalars.
+# allocation beyond the scalars. A dispatch's tokens_per_expert are valid by construction
+# (padded, clamped to the budget): expert_mlp given that dispatch's handle passes TRUSTED and
+# runs no check, so a layer's four grouped products launch no extra kernels for it; other
+# counts are checked once per expert_mlp call and the result reused by all four.
 
 _eager_ok: dict[tuple, bool] = {}
 _capture_ok: dict[tuple, bool] = {}
@@ -305,16 +308,28 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.T
     return _GroupedMM.apply(x, weight, tokens_per_expert, impl, bad)
 
 
+# Counts valid by construction (a dispatch's tokens_per_expert: padded, clamped to the budget):
+# no check, no flag (NOTE [expert counts]).
+TRUSTED = "trusted"
+
+
+def _resolve_bad(bad, tokens_per_expert: torch.Tensor, rows: int, impl: str):
+    """The count check to apply: ``None`` for none (trusted counts, or the loop, which checks
+    on the host), else a 0-dim bool on the device (computed when ``bad`` is None)."""
+    if bad is TRUSTED or impl == "loop":
+        return None
+    return _bad_counts(tokens_per_expert, rows) if bad is None else bad
+
+
 def _forward(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
-             impl: str, bad: torch.Tensor | None = None) -> torch.Tensor:
+             impl: str, bad=None) -> torch.Tensor:
     """The product of :func:`grouped_mm` by ``impl``; ``bad`` as :func:`_bad_counts` returns
-    it (computed here when not given). NOTE [expert counts]"""
+    it, ``TRUSTED``, or ``None`` to check here. NOTE [expert counts]"""
     if impl == "loop":
         return _loop(x, weight, _host_counts(tokens_per_expert, x.shape[0]))
     if impl == "triton":        # clamps the counts itself (NOTE [triton grouped GEMM])
         return _triton_grouped.forward(x, weight, tokens_per_expert)
-    if bad is None:
-        bad = _bad_counts(tokens_per_expert, x.shape[0])
+    bad = _resolve_bad(bad, tokens_per_expert, x.shape[0], impl)
     if impl == "grouped":
         return _grouped_mm_native(x, weight, _offsets(tokens_per_expert, bad))
     return _masked_dense(x, weight, tokens_per_expert, bad)
@@ -370,14 +385,14 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, tokens_per_expert, impl, bad):
         ctx.save_for_backward(x, weight, tokens_per_expert)
-        ctx.impl = impl
+        ctx.impl, ctx.bad = impl, bad
         return _forward(x, weight, tokens_per_expert, impl, bad)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, tokens_per_expert = ctx.saved_tensors
         grad_x, grad_w = grouped_mm_grads(grad.contiguous(), x, weight, tokens_per_expert,
-                                          ctx.impl)
+                                          ctx.impl, bad=ctx.bad)
         return grad_x, grad_w, None, None, None
 
 
@@ -435,7 +450,7 @@ _IMPLS = ("grouped", "triton", "loop", "masked")
 
 
 def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                     tokens_per_expert: torch.Tensor, impl: str):
+                     tokens_per_expert: torch.Tensor, impl: str, *, bad=None):
     """Gradients of ``out = grouped_mm(x, weight, tokens_per_expert, impl=impl)``.
 
     Args:
@@ -443,13 +458,15 @@ def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         x: ``[rows, in]`` the forward's input; weight ``[experts, out, in]``.
         tokens_per_expert: int ``[experts]`` rows of each expert (as in the forward).
         impl: the implementation the forward ran (:func:`resolve_impl`), not ``"auto"``.
+        bad: the forward's count check (0-dim bool on the device), ``TRUSTED`` for counts
+            valid by construction, or ``None`` to check them here (NOTE [expert counts]).
     Returns ``(grad_x [rows, in], grad_weight [experts, out, in])``. Rows of ``grad_x`` past
     the counts are unspecified, as are those of a forward's output; rows of ``grad`` and
     ``x`` past the counts are read only by ``"masked"`` (which multiplies them by zero).
     """
     if impl == "triton":
         return _triton_grouped.grads(grad, x, weight, tokens_per_expert)
-    bad = _bad_counts(tokens_per_expert, x.shape[0]) if impl != "loop" else None
+    bad = _resolve_bad(bad, tokens_per_expert, x.shape[0], impl)
     if impl == "grouped":
         # NOTE [weight gradient layout]: grad_w[e] = grad_e^T @ x_e is computed as one grouped
         # product with grad^T as the first operand, so it comes out [experts, out, in], the

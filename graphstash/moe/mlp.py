@@ -43,7 +43,8 @@ import torch
 
 from .._checks import describe, require_tensor
 from ..reference.experts import ACTIVATIONS
-from .experts import _check_grouped_args, _forward, grouped_mm, grouped_mm_grads, resolve_impl
+from .experts import (TRUSTED, _bad_counts, _check_grouped_args, _flag_bad_counts, _forward,
+                      _GroupedMM, grouped_mm_grads, resolve_impl)
 
 __all__ = ["expert_mlp"]
 
@@ -70,19 +71,20 @@ class _RegatheredGEMM(torch.autograd.Function):
     [regathered input]); x's gradient flows on to the dispatch, the tokens get none here."""
 
     @staticmethod
-    def forward(ctx, x, source, w1, counts, impl, handle):
+    def forward(ctx, x, source, w1, counts, impl, handle, bad):
         ctx.save_for_backward(source, w1, counts)
         # the handle without its own reference to the tokens: they reach backward only
         # through save_for_backward (version check, saved-tensor hooks)
-        ctx.impl, ctx.handle = impl, dataclasses.replace(handle, source=None)
-        return _forward(x, w1, counts, impl)
+        ctx.impl, ctx.handle, ctx.bad = impl, dataclasses.replace(handle, source=None), bad
+        return _forward(x, w1, counts, impl, bad)
 
     @staticmethod
     def backward(ctx, grad):
         source, w1, counts = ctx.saved_tensors
         x = ctx.handle.regather(source)
-        grad_x, grad_w = grouped_mm_grads(grad.contiguous(), x, w1, counts, ctx.impl)
-        return grad_x, None, grad_w, None, None, None
+        grad_x, grad_w = grouped_mm_grads(grad.contiguous(), x, w1, counts, ctx.impl,
+                                          bad=ctx.bad)
+        return grad_x, None, grad_w, None, None, None, None
 
 
 class _ActivatedGEMM(torch.autograd.Function):
@@ -90,15 +92,15 @@ class _ActivatedGEMM(torch.autograd.Function):
     tensors]); the activation runs count-aware (NOTE [count-aware expert kernels])."""
 
     @staticmethod
-    def forward(ctx, pre, row_weight, w2, counts, impl, gated):
+    def forward(ctx, pre, row_weight, w2, counts, impl, gated, bad):
         ops = _ops(pre.device)
         live = counts.sum().view(1)
         zero_tail = impl == "masked"
         a = pre.new_empty(pre.shape[0], w2.shape[2])
         ops.act_forward(a, pre, row_weight, live, gated=gated, zero_tail=zero_tail)
-        y = grouped_mm(a, w2, counts, impl=impl)
+        y = _forward(a, w2, counts, impl, bad)
         ctx.save_for_backward(pre, row_weight, w2, counts)
-        ctx.impl, ctx.gated, ctx.ops = impl, gated, ops
+        ctx.impl, ctx.gated, ctx.ops, ctx.bad = impl, gated, ops, bad
         return y
 
     @staticmethod
@@ -109,7 +111,8 @@ class _ActivatedGEMM(torch.autograd.Function):
         live = counts.sum().view(1)
         a = pre.new_empty(pre.shape[0], w2.shape[2])
         ops.act_forward(a, pre, row_weight, live, gated=gated, zero_tail=zero_tail)
-        grad_a, grad_w2 = grouped_mm_grads(grad_y.contiguous(), a, w2, counts, impl)
+        grad_a, grad_w2 = grouped_mm_grads(grad_y.contiguous(), a, w2, counts, impl,
+                                           bad=ctx.bad)
         del a
         grad_row = None
         if row_weight is not None and ctx.needs_input_grad[1]:
@@ -123,7 +126,7 @@ class _ActivatedGEMM(torch.autograd.Function):
             if not zero_tail:
                 rows = torch.arange(pre.shape[0], device=pre.device)
                 grad_row = torch.where(rows < live, grad_row, torch.zeros_like(grad_row))
-        return grad_pre, grad_row, grad_w2, None, None, None
+        return grad_pre, grad_row, grad_w2, None, None, None, None
 
 
 def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -183,14 +186,21 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                 or row_weight.device != x.device):
             raise ValueError(f"row_weight: expected [{x.shape[0]}] in {x.dtype} on {x.device}, "
                              f"got {describe(row_weight)}")
+    # NOTE [expert counts]: a dispatch's own counts need no check; others are checked once
+    trusted = handle is not None and tokens_per_expert is handle.tokens_per_expert
+    impl1 = resolve_impl(x, w1, impl)
+    bad = TRUSTED
+    if not trusted:
+        bad = None if impl1 == "loop" else _bad_counts(tokens_per_expert, x.shape[0])
+        if bad is not None:
+            _flag_bad_counts(bad, x.device, None)
     if handle is not None and handle.local and handle.source is not None:
         if tuple(x.shape) != (handle.budget_rows, handle.hidden) or x.device != handle.device:
             raise ValueError(f"handle: x must be the permuted output of that dispatch "
                              f"([{handle.budget_rows}, {handle.hidden}] on {handle.device}), got "
                              f"{describe(x)}")
-        pre = _RegatheredGEMM.apply(x, handle.source, w1, tokens_per_expert,
-                                    resolve_impl(x, w1, impl), handle)
+        pre = _RegatheredGEMM.apply(x, handle.source, w1, tokens_per_expert, impl1, handle, bad)
     else:
-        pre = grouped_mm(x, w1, tokens_per_expert, impl=impl)
+        pre = _GroupedMM.apply(x, w1, tokens_per_expert, impl1, bad)
     return _ActivatedGEMM.apply(pre, row_weight, w2, tokens_per_expert,
-                                resolve_impl(pre, w2, impl), gated)
+                                resolve_impl(pre, w2, impl), gated, bad)
