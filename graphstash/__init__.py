@@ -5,12 +5,13 @@ in :func:`warmup`.
 """
 from __future__ import annotations
 
-from .errors import (BackendUnavailableError, CaptureError, GraphstashError, PoolExhaustedError,
-                     ReleasedError, StaleHandleError, UpdateAppliedError)
+from .errors import (BackendUnavailableError, CaptureError, GraphstashError, OffloadError,
+                     PoolExhaustedError, ReleasedError, SavedTensorModifiedError,
+                     SavedTensorsError, StaleHandleError, StashOverflowError, UpdateAppliedError)
 from . import moe
 from ._mode import dropless, is_dropless
 from .graph import GraphStep, GraphStepStats, graph_step
-from .offload import ActivationOffloader, HostPool, OffloadError, SavedTensorModifiedError
+from .offload import ActivationOffloader, HostPool
 from .paging import PagedStashBuffer, PagedTensor, new_status
 from .stash import (StashConfig, StashManager, current_manager, mark_not_stashable,
                     stash_activations)
@@ -48,9 +49,11 @@ __all__ = [
     "PoolExhaustedError",
     "ReleasedError",
     "SavedTensorModifiedError",
+    "SavedTensorsError",
     "StaleHandleError",
     "StashConfig",
     "StashManager",
+    "StashOverflowError",
     "TensorSwapper",
     "UpdateAppliedError",
     "current_manager",

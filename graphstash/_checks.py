@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _layout as L
 from .errors import CaptureError
 
 COUNT_DTYPES = (torch.int32, torch.int64)
@@ -52,3 +53,34 @@ def forbid_capture(what: str) -> None:
         raise CaptureError(
             f"{what} cannot run while a CUDA graph is being captured; "
             "do it before the capture (graphstash.warmup() compiles kernels ahead)")
+
+
+def normalize_device(device, name: str = "device") -> torch.device:
+    """``device`` as a ``torch.device`` with its index: a CUDA device (needs CUDA) or the CPU.
+
+    ``None`` means the current CUDA device, or the CPU when torch sees no GPU. Raises
+    TypeError/ValueError naming ``name``.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError) as exc:
+        raise TypeError(f"{name}: expected a torch.device or device string, got {device!r}") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}: {device!r} requested but torch sees no CUDA device")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(f"{name}: expected a CUDA or CPU device, got {dev}")
+    return dev
+
+
+def check_status(name: str, status, device: torch.device) -> None:
+    """Validate a shared status tensor: int32, shape ``(STATUS_SIZE,)``, on ``device``."""
+    expected = f"an int32 tensor of shape ({L.STATUS_SIZE},) on {device}"
+    if not isinstance(status, torch.Tensor):
+        raise TypeError(f"{name}: expected {expected}, got {type(status).__name__}")
+    if status.dtype != torch.int32 or status.device != device or status.shape != (L.STATUS_SIZE,):
+        raise ValueError(f"{name}: expected {expected}, got {describe(status)}")

@@ -32,3 +32,21 @@ class ReleasedError(GraphstashError):
 class UpdateAppliedError(GraphstashError):
     """A call failed after its step's optimizer update was applied: the step is counted in
     ``stats.steps`` and its batch must not be run again (that would apply it twice)."""
+
+
+class SavedTensorsError(GraphstashError):
+    """A saved-tensor context (``stash_activations``, ``ActivationOffloader``, a swap scope,
+    ``with manager:``) used wrongly: nested inside another, exited out of order, a group misused."""
+
+
+# The name offload and swap raised it under first.
+OffloadError = SavedTensorsError
+
+
+class SavedTensorModifiedError(SavedTensorsError):
+    """A tensor saved for backward was modified in place before backward used it."""
+
+
+class StashOverflowError(GraphstashError):
+    """An eager step stashed more than the pool holds: its reloaded tensors, and so its
+    gradients, are wrong (see ``StashManager(eager_overflow=...)``)."""

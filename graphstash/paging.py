@@ -16,7 +16,8 @@ import torch
 from . import _backend, _kernels
 from ._kernels import paged_stash as _cupy_paged
 from . import _layout as L
-from ._checks import check_counts, describe, forbid_capture, is_capturing, require_positive_int
+from ._checks import (check_counts, check_status, describe, forbid_capture, is_capturing,
+                      normalize_device, require_positive_int)
 from .errors import CaptureError, PoolExhaustedError, ReleasedError, StaleHandleError
 from .reference import paged_stash as _reference
 
@@ -227,14 +228,14 @@ class PagedStashBuffer:
             raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
         if max_tokens + host_tokens == 0:
             raise ValueError("max_tokens: expected max_tokens + host_tokens > 0, got 0 + 0")
-        self._device = _normalize_device(device)
+        self._device = normalize_device(device)
         self._backend, self._backend_reason = _backend.resolve(backend, self._device)
         self._dtype = dtype
         self._hidden_size = hidden_size
         self._page_size = page_size
         self._row_bytes = hidden_size * torch.empty((), dtype=dtype).element_size()
         if status is not None:
-            _check_status("status", status, self._device)
+            check_status("status", status, self._device)
         self._shared_status = status
         self._record_entries = record_entries
         if record_entries is not None:
@@ -329,6 +330,12 @@ class PagedStashBuffer:
         p = self._pool
         return sum(t.numel() * t.element_size() for t in
                    (p.dev_pages, p.dev_ring, p.host_ring, p.state, p.table))
+
+    @property
+    def pages_ptr(self) -> int:
+        """Address of the device-tier pages (0 after ``release()``): it changes when the pool
+        is allocated again, which is what benchmarks check between timed steps."""
+        return 0 if self._pool is None else self._pool.dev_pages.data_ptr()
 
     # ---- lifecycle ----------------------------------------------------------------------
     def _allocate(self) -> None:
@@ -643,32 +650,9 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride() == strides else t.as_strided(t.shape, strides)
 
 
-def _normalize_device(device) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (TypeError, RuntimeError) as exc:
-        raise TypeError(f"device: expected a torch.device or device string, got {device!r}") from exc
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device: {device!r} requested but torch sees no CUDA device")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise ValueError(f"device: expected a CUDA or CPU device, got {dev}")
-    return dev
-
-
-def _check_status(name: str, status, device: torch.device) -> None:
-    expected = f"an int32 tensor of shape ({L.STATUS_SIZE},) on {device}"
-    if not isinstance(status, torch.Tensor):
-        raise TypeError(f"{name}: expected {expected}, got {type(status).__name__}")
-    if status.dtype != torch.int32 or status.device != device or status.shape != (L.STATUS_SIZE,):
-        raise ValueError(f"{name}: expected {expected}, got {describe(status)}")
-
-
 def new_status(device) -> torch.Tensor:
     """A zeroed int32 ``[8]`` status tensor on ``device`` to share among buffers."""
-    return torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=_normalize_device(device))
+    return torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=normalize_device(device))
 
 
 def _check_max_blocks(max_blocks) -> None:

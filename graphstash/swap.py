@@ -24,9 +24,10 @@ import weakref
 
 import torch
 
-from ._checks import require_positive_int
-from .offload import (HostPool, OffloadError, _check_device, _check_version, _Kept, _movable,
-                      _Mover, _pop_context, _push_context, _Record, _storage_ptr)
+from ._checks import normalize_device, require_positive_int
+from ._saved import HookContext, Kept, RetireQueue
+from ._saved.host import HostCopier, HostHandle, HostPool, StorageRecord, host_movable, storage_key
+from .errors import OffloadError
 
 __all__ = ["TensorSwapper", "default_swapper", "swap"]
 
@@ -36,29 +37,19 @@ _KEPT, _COPYING, _ON_HOST, _RELOADING, _READY = "kept", "copying", "on_host", "r
 class _Item:
     """One swapped (or kept last-layer) tensor: its record, copy events and state."""
 
-    __slots__ = ("record", "layer", "index", "state", "d2h_event", "h2d_event", "__weakref__")
+    __slots__ = ("record", "layer", "index", "state", "d2h_mark", "h2d_mark", "__weakref__")
 
-    def __init__(self, record: _Record, layer: "_Layer", index: int, state: str):
+    def __init__(self, record: StorageRecord, layer: "_Layer", index: int, state: str):
         self.record = record
         self.layer = layer
         self.index = index
         self.state = state
-        self.d2h_event = None
-        self.h2d_event = None
+        self.d2h_mark = None
+        self.h2d_mark = None
 
     @property
     def key(self) -> tuple[int, int]:
         return (self.layer.index, self.index)
-
-
-class _SwapHandle:
-    __slots__ = ("item", "view", "ref", "version", "__weakref__")
-
-    def __init__(self, item: _Item, view, t: torch.Tensor):
-        self.item = item
-        self.view = view
-        self.ref = weakref.ref(t)
-        self.version = t._version
 
 
 @dataclasses.dataclass(eq=False)
@@ -69,7 +60,7 @@ class _Layer:
     swapped: bool                    # False for the last layer (kept on the device)
     items: list = dataclasses.field(default_factory=list)
     by_storage: dict = dataclasses.field(default_factory=dict)  # storage ptr -> [_Item]
-    handles: list = dataclasses.field(default_factory=list)   # weakrefs to _SwapHandles
+    handles: list = dataclasses.field(default_factory=list)   # weakrefs to HostHandles
     released: bool = False
 
 
@@ -126,11 +117,11 @@ class TensorSwapper:
         if host_pool is not None and not isinstance(host_pool, HostPool):
             raise TypeError(f"host_pool: expected a HostPool or None, got {type(host_pool).__name__}")
         self.min_tensor_bytes = min_tensor_bytes
-        self.device = _check_device(device)
+        self.device = normalize_device(device)
         self.host_pool = host_pool if host_pool is not None else HostPool(self.device.type == "cuda")
-        self._mover = _Mover(self.device, self.host_pool)
+        self._mover = HostCopier(self.device, self.host_pool)
         self._tags: dict[str, _Tag] = {}
-        self._copying: list[_Layer] = []         # layers whose device tensors are still held
+        self._copying = RetireQueue(self._mover.d2h)   # layers whose device tensors are held
         self._outstanding = 0                    # items not yet unpacked, all tags
 
     @property
@@ -208,13 +199,12 @@ class TensorSwapper:
     def _retire(self, step: _Step) -> None:
         """Give back everything ``step`` still holds (its backward will not run)."""
         for layer in step.layers:
-            if layer in self._copying:
-                self._copying.remove(layer)
+            self._copying.take(layer)
             for item in layer.items:
                 if item.state == _COPYING:
-                    self._mover.wait(item.d2h_event, "d2h")
+                    self._mover.d2h.wait(item.d2h_mark)
                 elif item.state == _RELOADING:
-                    self._mover.wait(item.h2d_event, "h2d")
+                    self._mover.h2d.wait(item.h2d_mark)
                 if item.record.refs > 0:
                     self._outstanding -= 1
                     step.outstanding -= 1
@@ -224,34 +214,32 @@ class TensorSwapper:
 
     def _close_layer(self, layer: _Layer) -> None:
         # NOTE [release one layer later]: the copies of this layer overlap the next layer's
-        # forward; layers entered before it are waited on now and their memory released.
-        for older in [l for l in self._copying if l is not layer]:
-            self._release(older)
+        # forward; layers entered before it are waited on now and their memory released
+        # (NOTE [retire at the schedule point]).
+        self._copying.retire([l for l in self._copying.owners() if l is not layer])
 
     def _release(self, layer: _Layer) -> None:
+        """After the layer's D2H copies (the queue waited on the last one): drop the originals."""
         for item in layer.items:
             if item.state == _COPYING:
-                self._mover.wait(item.d2h_event, "d2h")
                 item.record.drop_device()
                 item.state = _ON_HOST
         layer.released = True
-        if layer in self._copying:
-            self._copying.remove(layer)
         self._mover.log.append(("release", layer.index))
 
     def _pack(self, layer: _Layer, check_fn, t: torch.Tensor):
-        if (t.numel() * t.element_size() < self.min_tensor_bytes or not _movable(t, self.device)
+        if (t.numel() * t.element_size() < self.min_tensor_bytes or not host_movable(t, self.device)
                 or (check_fn is not None and not check_fn(t))):
-            return _Kept(t)
+            return Kept(t)
         # NOTE [swap shares copies]: a save whose bytes an earlier copy of the same storage in
         # this layer already holds (softmax's output and a matmul's reshaped view of it) reuses
         # that copy and is rebuilt from it on reload (NOTE [one record per storage]); the last
         # layer copies nothing, so all its views of a storage share one record.
-        key = _storage_ptr(t)
+        key = storage_key(t)
         same = layer.by_storage.setdefault(key, [])
         item = next((i for i in same if not layer.swapped or i.record.covers(t)), None)
         if item is None:
-            record = _Record(t, layer, key)
+            record = StorageRecord(t, layer, key)
             record.plan()
             item = _Item(record, layer, len(layer.items), _COPYING if layer.swapped else _KEPT)
             layer.items.append(item)
@@ -259,27 +247,24 @@ class TensorSwapper:
             layer.step.outstanding += 1
             self._outstanding += 1
             if layer.swapped:
-                item.d2h_event = self._mover.to_host([record], item.key)
-                if layer not in self._copying:
-                    self._copying.append(layer)
+                item.d2h_mark = self._mover.to_host([record], item.key)
+                self._copying.add(layer, item.d2h_mark, lambda: self._release(layer))
         item.record.refs += 1
-        handle = _SwapHandle(item, item.record.add_view(t), t)
+        handle = HostHandle(item, item.record.add_view(t), t)
         layer.handles.append(weakref.ref(handle))
         return handle
 
     # -- backward --------------------------------------------------------------------------
     def _unpack(self, prefetch: bool, packed) -> torch.Tensor:
-        if isinstance(packed, _Kept):
+        if isinstance(packed, Kept):
             return packed.unpack()
-        item = packed.item
+        item = packed.owner
         rec = item.record
         if rec.refs <= 0:
             raise OffloadError("a swapped saved tensor was used twice: swapped activations "
                                "support one backward (no retain_graph=True second backward)")
-        if item.state == _KEPT:
-            _check_version(packed.ref, packed.version, "it stayed on the device")
-        else:
-            _check_version(packed.ref, packed.version, "after it was swapped out")
+        packed.saved.check("it stayed on the device" if item.state == _KEPT
+                           else "after it was swapped out")
         item.layer.step.backward_seen = True
         self._make_ready(item)
         if prefetch:
@@ -300,17 +285,17 @@ class TensorSwapper:
             rec.adopt()
         elif item.state == _COPYING:
             # never released (backward came right after forward): use the device tensor
-            self._mover.wait(item.d2h_event, "d2h")
+            self._mover.d2h.wait(item.d2h_mark)
             rec.adopt()
             item.state = _READY
             layer = item.layer
             if layer in self._copying and not any(i.state == _COPYING for i in layer.items):
-                self._copying.remove(layer)
+                self._copying.take(layer)
         elif item.state == _ON_HOST:
-            item.h2d_event = self._mover.to_device([rec], item.key)
+            item.h2d_mark = self._mover.to_device([rec], item.key)
             item.state = _RELOADING
         if item.state == _RELOADING:
-            self._mover.wait(item.h2d_event, "h2d")
+            self._mover.h2d.wait(item.h2d_mark)
         item.state = _READY
 
     def _prefetch(self, item: _Item) -> None:
@@ -327,7 +312,7 @@ class TensorSwapper:
         for j in range(item.index * m // n, (item.index + 1) * m // n):
             other = prev.items[j]
             if other.state == _ON_HOST and other.record.refs > 0:
-                other.h2d_event = self._mover.to_device([other.record], other.key)
+                other.h2d_mark = self._mover.to_device([other.record], other.key)
                 other.state = _RELOADING
 
     # -- step-level control ----------------------------------------------------------------
@@ -339,7 +324,7 @@ class TensorSwapper:
             self._retire(tag.step)
             if tag.step.layers:
                 self._new_step(tag)
-        self._copying.clear()
+        self._copying = RetireQueue(self._mover.d2h)
         self._outstanding = 0
         self._mover.join()
         self.host_pool.reclaim()
@@ -374,24 +359,21 @@ class _SwapScope:
     def __enter__(self):
         if self._layer is not None:
             raise OffloadError(f"{self.description} entered twice; create one scope per layer")
-        _push_context(self, self.description)
+        swapper, check_fn, prefetch = self.swapper, self.check_fn, self.prefetch
+        hooks = HookContext(swapper, self.description,
+                            lambda t: swapper._pack(self._layer, check_fn, t),
+                            lambda p: swapper._unpack(prefetch, p))
+        hooks.__enter__()                   # NOTE [one hook context]: refuses nesting
         try:
-            self._layer = self.swapper._open_layer(self.tag, self.layer_index)
+            self._layer = swapper._open_layer(self.tag, self.layer_index)
         except BaseException:
-            _pop_context(self, self.description)
+            hooks.__exit__(None, None, None)
             raise
-        layer, check_fn, prefetch = self._layer, self.check_fn, self.prefetch
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(
-            lambda t: self.swapper._pack(layer, check_fn, t),
-            lambda p: self.swapper._unpack(prefetch, p))
-        self._hooks.__enter__()
+        self._hooks = hooks
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        try:
-            _pop_context(self, self.description)
-        finally:
-            self._hooks.__exit__(exc_type, exc, tb)
+        self._hooks.__exit__(exc_type, exc, tb)   # refuses an exit out of order
         self.swapper._close_layer(self._layer)
         return False
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from graphstash.errors import CaptureError, GraphstashError
+from graphstash._saved.host import dense_strides_like, size_class
 from graphstash.offload import (ActivationOffloader, HostPool, OffloadError,
-                                SavedTensorModifiedError, _dense_strides_like, _size_class,
-                                format_bytes_table)
+                                SavedTensorModifiedError, format_bytes_table)
 from graphstash.swap import TensorSwapper
 
 from _marks import Marker
@@ -386,8 +386,8 @@ def test_layouts_preserved(gen):
         if name == "permuted":
             assert seen["stride"] == t.stride()
         else:
-            assert seen["stride"] == _dense_strides_like(t)
-    assert _dense_strides_like(torch.empty(4, 6, 10)[:, :, :5].transpose(0, 1)) == (5, 30, 1)
+            assert seen["stride"] == dense_strides_like(t)
+    assert dense_strides_like(torch.empty(4, 6, 10)[:, :, :5].transpose(0, 1)) == (5, 30, 1)
 
 
 def test_views_of_one_storage_move_once(gen):
@@ -473,7 +473,7 @@ def test_views_rebuilt_on_one_reload(gen):
         assert (got[0], got[1]) == (shape, stride) and torch.equal(got[4], value)
     assert [g[2] for g in seen[:4]] == [0, 10, 20, 0]           # offsets kept on the reload
     assert len({g[3] for g in seen[:4]}) == 1                   # one reloaded storage
-    assert seen[4][1] == _dense_strides_like(saved[4]) and torch.equal(seen[4][4], expected[4][2])
+    assert seen[4][1] == dense_strides_like(saved[4]) and torch.equal(seen[4][4], expected[4][2])
     assert torch.equal(base.grad, ref)
 
 
@@ -506,9 +506,9 @@ def test_num_groups_given_and_summary_table(gen):
 
 
 def test_host_pool():
-    assert _size_class(1) == 4096 and _size_class(4097) == 5120 and _size_class(8192) == 8192
+    assert size_class(1) == 4096 and size_class(4097) == 5120 and size_class(8192) == 8192
     for n in (5000, 70_001, 1 << 20, 3 * (1 << 20) + 7):
-        c = _size_class(n)
+        c = size_class(n)
         assert n <= c <= n * 1.25 + 4096
     pool = HostPool(pin_memory=False)
     a = pool.take(10_000)

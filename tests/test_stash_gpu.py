@@ -75,11 +75,11 @@ def test_eager_bitwise_interleaved(gen):
         _fill(inputs, gen)
         _draw(counts, gen)
         ref = _eager(model, inputs, counts)
-        manager._trace = []
-        got = _eager(model, inputs, counts, manager)
+        with manager.trace() as trace:
+            got = _eager(model, inputs, counts, manager)
         _same(ref, got, f"eager step {step}")
-        assert sum(k == "stash" for k, _ in manager._trace) == MICRO * L
-        assert sum(k == "prefetch" for k, _ in manager._trace) >= MICRO * L - 1
+        assert sum(k == "stash" for k, _ in trace.events) == MICRO * L
+        assert sum(k == "prefetch" for k, _ in trace.events) >= MICRO * L - 1
     status = manager.read_status()
     assert not status["overflow"] and status["buffers"]
     assert all(b.backend == "cupy" for b in manager.buffers.values())

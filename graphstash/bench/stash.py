@@ -259,7 +259,7 @@ def _overlap(copies, computes) -> float:
 
 def _pool_state(manager) -> dict:
     """``{key: (buffer id, device page address, device bytes)}`` of the manager's buffers."""
-    return {k: (id(b), b._pool.dev_pages.data_ptr(), b.device_bytes)
+    return {k: (id(b), b.pages_ptr, b.device_bytes)
             for k, b in manager.buffers.items() if not b.released}
 
 
@@ -348,15 +348,14 @@ def _config_run(name, layers, budget, hidden, ffn, iters, graphs, device, *,
     # ---- overlap evidence --------------------------------------------------------------------
     # Event intervals: copies on the side streams against expert compute (forward, timed from
     # after the group's entry, so a wait for the previous stash is not counted as compute).
-    manager._start_timeline()
     model.compute_events = []
     base = torch.cuda.Event(enable_timing=True)
     base.record()
-    _step(model, x, counts, manager)
-    copies = manager._copy_intervals(base)
+    with manager.trace(timing=True) as trace:
+        _step(model, x, counts, manager)
+    copies = trace.copy_intervals(base)
     computes = [(base.elapsed_time(s), base.elapsed_time(e)) for _, s, e in model.compute_events]
     model.compute_events = None
-    manager._timeline = None
     res["copies"] = [(k, g, round(s, 3), round(e, 3)) for k, g, _, s, e in copies]
     res["copy_ms"] = sum(e - s for _, _, _, s, e in copies)
     res["copy_overlap_events"] = _overlap([(k, s, e) for k, _, _, s, e in copies], computes)

@@ -8,10 +8,11 @@ the status tensor; :class:`StashConfig` says how it sizes them. See the NOTE blo
 """
 from __future__ import annotations
 
-from ._marks import mark_not_stashable
+from .._saved import mark_not_movable as mark_not_stashable
 from .config import StashConfig
 from .context import current_manager, stash_activations
 from .manager import StashManager
+from .trace import StashTrace
 
-__all__ = ["StashConfig", "StashManager", "current_manager", "mark_not_stashable",
+__all__ = ["StashConfig", "StashManager", "StashTrace", "current_manager", "mark_not_stashable",
            "stash_activations"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .._saved import SavedVersion
+
 
 class Scope:
     """One ``stash_activations`` context: the live-row counts its saved tensors go with.
@@ -27,17 +29,20 @@ class Scope:
 class Entry:
     """What the pack hook returns for a candidate tensor; the unpack hook gets it back.
 
-    ``tensor`` holds the original until its stash completed (NOTE [pre-schedule]) or for good
-    when it is kept; ``handle`` is its :class:`PagedTensor` between stash and reload; ``out``
-    the reloaded tensor, referenced for as long as autograd holds this entry.
+    ``tensor`` holds the original (detached: NOTE [detached references]) until its stash
+    completed (NOTE [pre-schedule]) or for good when it is kept; ``saved`` its version at
+    pack time (NOTE [in-place check]); ``handle`` is its :class:`PagedTensor` between stash
+    and reload; ``out`` the reloaded tensor, referenced for as long as autograd holds this
+    entry.
     """
 
-    __slots__ = ("group", "tensor", "scope", "shape", "dtype", "layout", "key", "handle", "out",
-                 "stashed", "unpacked", "record_len")
+    __slots__ = ("group", "tensor", "saved", "scope", "shape", "dtype", "layout", "key", "handle",
+                 "out", "stashed", "unpacked", "record_len")
 
     def __init__(self, group: "Group", tensor: torch.Tensor, scope: Scope):
         self.group = group
-        self.tensor = tensor
+        self.tensor = tensor.detach()
+        self.saved = SavedVersion(tensor)
         self.scope = scope
         self.shape = tensor.shape
         self.dtype = tensor.dtype
@@ -83,12 +88,8 @@ class Group:
         self.remaining = 0                  # entries not unpacked yet
         self.alive = 0                      # entries autograd has not released yet
         self.has_stash = False
-        self.stash_event = None
-        self.stash_captured = False
-        self.pending = False                # stash issued, originals not dropped yet
         self.reload_issued = False
-        self.reload_event = None
-        self.reload_captured = False
+        self.reload_mark = None             # the reload's event on the unpack stream
         self.reload_waited: set[int] = set()
         self.backward_started = False
         self.f_index: int | None = None
@@ -102,7 +103,6 @@ class Group:
 
     def retire(self) -> None:
         """Drop the originals of stashed entries and the count snapshots (stash completed)."""
-        self.pending = False
         if self.entries is not None:
             for e in self.entries:
                 if e.stashed:

@@ -1,24 +1,20 @@
 """``stash_activations``: the context that routes autograd's saved tensors through a manager."""
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from .. import _kernels
 from .._checks import COUNT_DTYPES, describe
 from .._mode import is_dropless
-from ._group import Scope
+from .._saved import HookContext, Kept, innermost
+from ._group import Group, Scope
 from .manager import StashManager, _current_default
 
-_active = threading.local()   # stack of (manager, group) of the open contexts of this thread
 
-
-def _active_stack() -> list:
-    stack = getattr(_active, "stack", None)
-    if stack is None:
-        stack = _active.stack = []
-    return stack
+def _open_group_context() -> HookContext | None:
+    """The hook context of the enclosing ``stash_activations`` (its payload: the group)."""
+    top = innermost()
+    return top if top is not None and isinstance(top.payload, Group) else None
 
 
 def current_manager() -> StashManager | None:
@@ -26,15 +22,15 @@ def current_manager() -> StashManager | None:
     ``with manager:``, else the manager of the enclosing ``stash_activations``, else None."""
     manager = _current_default()
     if manager is None:
-        stack = _active_stack()
-        if stack:
-            manager = stack[-1][0]
+        outer = _open_group_context()
+        if outer is not None:
+            manager = outer.owner
     return manager
 
 
 def _unpack(packed):
-    if isinstance(packed, torch.Tensor):
-        return packed
+    if isinstance(packed, Kept):
+        return packed.unpack()
     return packed.group.manager._unpack(packed)
 
 
@@ -64,7 +60,10 @@ class stash_activations:
             the counts, e.g. expert GEMMs bounded by per-expert offsets.
 
     Contexts of the same manager may nest: the inner one's tensors belong to the outer group
-    but go with the inner ``num_tokens``. Nesting contexts of different managers is an error.
+    but go with the inner ``num_tokens``. Nesting it inside (or around) a context of another
+    manager, an ``ActivationOffloader`` or a swap scope raises
+    :class:`~graphstash.errors.SavedTensorsError` (NOTE [one hook context] in
+    ``graphstash/_saved/registry.py``).
 
     Example::
 
@@ -84,8 +83,7 @@ class stash_activations:
         self._zero_tail = zero_tail
         self._entered = False
         self._noop = False
-        self._outer = False
-        self._hooks = None
+        self._hooks: HookContext | None = None    # set on the outermost context
         self._group = None
         self._scope = None
 
@@ -104,35 +102,32 @@ class stash_activations:
             raise TypeError(f"manager: expected a graphstash.StashManager, got "
                             f"{type(manager).__name__}")
         self._check_args(manager)
-        stack = _active_stack()
-        if stack and stack[-1][0] is not manager:
-            outer = stack[-1][1]
-            raise ValueError(
-                f"manager: this stash_activations context is nested inside one of another "
-                f"StashManager (group {outer.label}); nested contexts must share a manager")
         scope = Scope(self._num_tokens, self._max_tokens, self._zero_tail)
-        if stack:
-            group = stack[-1][1]
+        outer = _open_group_context()
+        if outer is not None and outer.owner is manager:
+            group = outer.payload           # same manager: the outer group, inner counts
         else:
-            group = manager._open_group(self._name)
-            self._outer = True
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(
-                lambda t, _g=group, _m=manager: _m._pack(_g, t), _unpack)
-            self._hooks.__enter__()
+            name = "unnamed" if self._name is None else repr(self._name)
+            hooks = HookContext(manager, f"stash_activations {name} (StashManager at "
+                                f"{id(manager):#x})", lambda t: manager._pack(group, t), _unpack)
+            hooks.__enter__()               # refuses any other open context
+            try:
+                group = manager._open_group(self._name)
+            except BaseException:
+                hooks.__exit__(None, None, None)
+                raise
+            hooks.payload = group
+            self._hooks = hooks
         group.scopes.append(scope)
         group.all_scopes.append(scope)
-        stack.append((manager, group))
         self._group, self._scope, self._manager = group, scope, manager
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if self._noop:
             return False
-        stack = _active_stack()
-        if stack and stack[-1][1] is self._group:
-            stack.pop()
         self._group.scopes.pop()
-        if self._outer:
+        if self._hooks is not None:
             self._hooks.__exit__(exc_type, exc, tb)
             self._manager._close_group(self._group, ok=exc_type is None)
         return False

@@ -93,12 +93,13 @@ import threading
 import torch
 
 from .. import _layout as L
-from .._checks import describe, forbid_capture, is_capturing
-from ..errors import CaptureError, ReleasedError, StaleHandleError
-from ..paging import PagedStashBuffer, _check_status, _normalize_device, new_status
+from .._checks import check_status, describe, forbid_capture, is_capturing, normalize_device
+from .._saved import Kept, RetireQueue, SideStream, movable
+from ..errors import CaptureError, ReleasedError, SavedTensorsError, StaleHandleError
+from ..paging import PagedStashBuffer, new_status
 from ._group import Entry, Group
-from ._marks import is_marked as _is_marked
 from ._schedule import Schedule, replay_demand
+from .trace import StashTrace
 from .config import StashConfig
 
 _defaults = threading.local()
@@ -151,23 +152,22 @@ class StashManager:
             if not isinstance(status, torch.Tensor):
                 raise TypeError(f"status: expected an int32 tensor of shape ({L.STATUS_SIZE},), "
                                 f"got {type(status).__name__}")
-            dev = _normalize_device(status.device)
-            if device is not None and _normalize_device(device) != dev:
+            dev = normalize_device(status.device, "status")
+            if device is not None and normalize_device(device) != dev:
                 raise ValueError(f"status: expected a tensor on device={device}, got "
                                  f"{describe(status)}")
-            _check_status("status", status, dev)
+            check_status("status", status, dev)
         else:
-            if device is None:
-                device = "cuda" if torch.cuda.is_available() else "cpu"
-            dev = _normalize_device(device)
+            dev = normalize_device(device)
             status = new_status(dev)
         self.config = config
         self.device = dev
         self.status = status
         self._cuda = dev.type == "cuda"
-        self._pack_stream = torch.cuda.Stream(dev) if self._cuda else None
-        self._unpack_stream = torch.cuda.Stream(dev) if self._cuda else None
-        self._side_state = {"pack": None, "unpack": None}   # None | captured-flag of last fork
+        self._sides = {"pack": SideStream(dev, "pack"), "unpack": SideStream(dev, "unpack")}
+        for side in self._sides.values():
+            side.stream               # created now, outside any capture
+        self._retiring = RetireQueue(self._sides["pack"])   # NOTE [pre-schedule]
         self._buffers: dict = {}          # key -> PagedStashBuffer
         self._sizes: dict = {}            # key -> (device_tokens, host_tokens, record_entries)
         self._peak_pages: dict = {}       # key -> highest demand in pages seen
@@ -181,9 +181,7 @@ class StashManager:
         self._had_backward = False
         self._next_gid = 0
         self._groups: dict[int, Group] = {}
-        self._pending: list[Group] = []
-        self._timeline: list | None = None   # set to [] to record copy intervals (eager, CUDA)
-        self._trace: list | None = None      # set to [] to log ("stash" | "prefetch" | "reload", gid)
+        self._tracer: StashTrace | None = None   # the open trace() (NOTE [introspection])
         self._deferred_error: Exception | None = None   # raised by a release-time prefetch
         self._plan: list[dict] | None = None  # NOTE [stash plan]: rows of the first measurement
         self._keep_all = config.policy == "never"
@@ -197,12 +195,12 @@ class StashManager:
     @property
     def pack_stream(self):
         """The side stream stashes run on (``None`` on the CPU)."""
-        return self._pack_stream
+        return self._sides["pack"].stream
 
     @property
     def unpack_stream(self):
         """The side stream reloads run on (``None`` on the CPU)."""
-        return self._unpack_stream
+        return self._sides["unpack"].stream
 
     @property
     def released(self) -> bool:
@@ -256,9 +254,7 @@ class StashManager:
         """Finish the open step, retire its pending groups and forget its groups."""
         if self._step_open:
             self._finish_step()
-        for g in self._pending:
-            g.retire()
-        self._pending = []
+        self._retiring.drop_all()
         self._groups = {}
         self._step_open = False
 
@@ -335,14 +331,39 @@ class StashManager:
         for key in self._sizes:
             self._create(key)
 
+    @contextlib.contextmanager
+    def trace(self, *, timing: bool = False):
+        """Record the copies this manager issues inside the block (NOTE [introspection] in
+        ``trace.py``); yields a :class:`~graphstash.stash.trace.StashTrace`.
+
+        Example::
+
+            with manager.trace() as trace:
+                run_step()
+            print(trace.events)           # [("stash", 0), ("stash", 1), ("prefetch", 1), ...]
+        """
+        tracer, previous = StashTrace(self.device, timing), self._tracer
+        self._tracer = tracer
+        try:
+            yield tracer
+        finally:
+            self._tracer = previous
+
     def __enter__(self) -> "StashManager":
         _default_stack().append(self)
         return self
 
     def __exit__(self, *exc) -> bool:
+        # like saved_tensors_hooks: an exit out of order would leave the wrong default behind
         stack = _default_stack()
-        if stack and stack[-1] is self:
-            stack.pop()
+        if not stack or stack[-1] is not self:
+            top = repr(stack[-1]) if stack else "none"
+            if self in stack:           # leave no stale default behind
+                del stack[len(stack) - 1 - stack[::-1].index(self)]
+            raise SavedTensorsError(
+                f"`with manager:` exited out of order: the innermost default manager is {top}, "
+                f"not {self!r}; exit `with manager:` blocks in the reverse order of entry")
+        stack.pop()
         return False
 
     def __repr__(self) -> str:
@@ -392,55 +413,16 @@ class StashManager:
         if live > self._peak_entries.get(key, 0):
             self._peak_entries[key] = live
 
-    # ---- streams --------------------------------------------------------------------------
-    def _fork(self, which: str):
-        """The side stream ``which``, ordered after the current stream (a captured fork)."""
-        stream = self._pack_stream if which == "pack" else self._unpack_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._side_state[which] = is_capturing()
-        return stream
-
+    # ---- streams (NOTE [side streams] in graphstash/_saved/streams.py) -------------------
     def _join(self) -> None:
-        if not self._cuda:
-            return
-        current = torch.cuda.current_stream(self.device)
-        capturing = is_capturing()
-        for which, stream in (("pack", self._pack_stream), ("unpack", self._unpack_stream)):
-            state = self._side_state[which]
-            if state is not None and state == capturing:
-                current.wait_stream(stream)
-            self._side_state[which] = None
-
-    def _side(self, which: str):
-        if not self._cuda:
-            return contextlib.nullcontext(), None
-        stream = self._fork(which)
-        return torch.cuda.stream(stream), stream
-
-    def _record_event(self, stream):
-        if stream is None:
-            return None, False
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event, is_capturing()
-
-    def _wait(self, event, captured: bool) -> None:
-        if event is not None and captured == is_capturing():
-            torch.cuda.current_stream(self.device).wait_event(event)
-
-    def _timing_event(self, stream):
-        if self._timeline is None or stream is None or is_capturing():
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-        return event
+        for side in self._sides.values():
+            side.join()
 
     # ---- steps ----------------------------------------------------------------------------
     def _start_step(self, reset_rings: bool) -> None:
         if reset_rings:
             self._join()
-            for g in self._pending:
-                g.retire()
+            self._retiring.drop_all()
             if not self._released and not is_capturing():
                 for key in self._peak_pages:
                     if key not in self._sizes:
@@ -450,7 +432,6 @@ class StashManager:
                 buf.reset(clear_status=False)
             self._live_entries = {}
             self._ring_generation += 1
-        self._pending = []
         self._groups = {}
         self._next_gid = 0
         self._had_backward = False
@@ -531,14 +512,13 @@ class StashManager:
         return group
 
     def _pack(self, group: Group, t: torch.Tensor):
-        """saved_tensors_hooks pack: wrap budget-sized candidates in an Entry, pass others."""
+        """saved_tensors_hooks pack: wrap budget-sized candidates in an Entry, keep others."""
         scope = group.scopes[-1]
-        if (type(t) is not torch.Tensor or t.device != self.device or t.layout != torch.strided
-                or t.dim() < (1 if scope.segments == 1 else 2) or t.numel() == 0
+        if (not movable(t, self.device) or t.dim() < (1 if scope.segments == 1 else 2)
                 or t.numel() * t.element_size() < self.config.min_tensor_bytes
-                or (t.is_leaf and t.requires_grad) or not t.is_contiguous()
-                or (scope.segments > 1 and t.shape[0] != scope.segments) or _is_marked(t)):
-            return t
+                or not t.is_contiguous()
+                or (scope.segments > 1 and t.shape[0] != scope.segments)):
+            return Kept(t)              # NOTE [in-place check] in graphstash/_saved/version.py
         dedup_key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
                      t.dtype, id(scope))
         entry = group.dedup.get(dedup_key)
@@ -649,35 +629,26 @@ class StashManager:
         # NOTE [count snapshot]: the counts are copied on the compute stream when the group
         # ends; the stash reads the copy on the pack stream, so the compute stream may write
         # the next layer's counts into the same tensor before the stash has run.
-        if self._trace is not None:
-            self._trace.append(("stash", group.gid))
-        ctx, stream = self._side("pack")
+        tracer, side = self._tracer, self._sides["pack"]
         group.has_stash = True
         try:
-            with ctx:
-                start = self._timing_event(stream)
+            with side.fork():
+                start = tracer.timer(side.stream) if tracer is not None else None
                 for e in entries:
                     buf = self._buffers[e.key]
                     e.handle = buf.stash(e.stash_view(), e.scope.snapshot,
                                          max_blocks=self.config.copy_blocks or None)
                     e.stashed = True
                     self._note_entries(e.key, e.record_len)
-                end = self._timing_event(stream)
+                end = tracer.timer(side.stream) if tracer is not None else None
         finally:
-            group.stash_event, group.stash_captured = self._record_event(stream)
-            group.pending = True
-            self._pending.append(group)
-        if start is not None:
-            self._timeline.append(("stash", group.gid, group.name, start, end))
+            self._retiring.add(group, side.mark(), group.retire)
+        if tracer is not None:
+            tracer.note("stash", group, start, end)
 
     def _retire_pending(self) -> None:
         """Schedule point: wait for issued stashes and drop their originals (NOTE [pre-schedule])."""
-        if not self._pending:
-            return
-        for g in self._pending:
-            self._wait(g.stash_event, g.stash_captured)
-            g.retire()
-        self._pending = []
+        self._retiring.retire()
 
     # ---- backward -------------------------------------------------------------------------
     def _prefetch(self, event) -> None:
@@ -702,26 +673,25 @@ class StashManager:
     def _reload(self, group: Group) -> None:
         self._check_reloadable(group)
         self._retire_pending()
-        if self._trace is not None:
-            self._trace.append(("reload" if group.backward_started else "prefetch", group.gid))
         stashed = [e for e in group.entries if e.stashed]
         outs = [torch.empty(e.reload_shape(), dtype=e.dtype, device=self.device) for e in stashed]
-        ctx, stream = self._side("unpack")
+        tracer, side = self._tracer, self._sides["unpack"]
+        kind = "reload" if group.backward_started else "prefetch"
         try:
-            with ctx:
-                start = self._timing_event(stream)
+            with side.fork():
+                start = tracer.timer(side.stream) if tracer is not None else None
                 for e, out in zip(stashed, outs):
                     self._buffers[e.key].reload(e.handle, out=out, zero_tail=e.scope.zero_tail,
                                                 max_blocks=self.config.copy_blocks or None)
                     e.out = out.view(e.shape)
                     e.handle = None
                     self._note_entries(e.key, -e.record_len)
-                end = self._timing_event(stream)
+                end = tracer.timer(side.stream) if tracer is not None else None
         finally:
-            group.reload_event, group.reload_captured = self._record_event(stream)
+            group.reload_mark = side.mark()
             group.reload_issued = True
-        if start is not None:
-            self._timeline.append(("reload", group.gid, group.name, start, end))
+        if tracer is not None:
+            tracer.note(kind, group, start, end)
         group.entries = None      # autograd holds the entries (and their reloaded tensors)
 
     def _unpack(self, entry: Entry) -> torch.Tensor:
@@ -740,10 +710,12 @@ class StashManager:
                 self._reload(group)
             stream = torch.cuda.current_stream(self.device) if self._cuda else None
             if stream is not None and stream.cuda_stream not in group.reload_waited:
-                self._wait(group.reload_event, group.reload_captured)
+                self._sides["unpack"].wait(group.reload_mark)
                 group.reload_waited.add(stream.cuda_stream)
+            entry.saved.check(f"in group {group.label}, after its stash")
             tensor = entry.out
         else:
+            entry.saved.check(f"in group {group.label}, kept on the device", held=entry.tensor)
             tensor = entry.tensor
         if not entry.unpacked:
             entry.unpacked = True
@@ -773,17 +745,6 @@ class StashManager:
         exc, self._deferred_error = self._deferred_error, None
         if exc is not None:
             raise exc
-
-    # ---- introspection for tests and benchmarks -------------------------------------------
-    def _start_timeline(self) -> None:
-        self._timeline = []
-
-    def _copy_intervals(self, base_event) -> list:
-        """``[(kind, gid, name, start_ms, end_ms)]`` relative to ``base_event`` (syncs)."""
-        torch.cuda.synchronize(self.device)
-        return [(kind, gid, name, base_event.elapsed_time(s), base_event.elapsed_time(e))
-                for kind, gid, name, s, e in (self._timeline or [])]
-
 
 def _current_default() -> StashManager | None:
     stack = _default_stack()

@@ -1,18 +1,23 @@
-"""Opting tensors out of stashing: :func:`mark_not_stashable`."""
+"""Which saved tensors may move at all, and the one opt-out mark.
+
+Each policy adds its own conditions (a size threshold, the budget shape of a stash); none
+moves a tensor :func:`movable` rejects.
+"""
 from __future__ import annotations
 
 import weakref
 
 import torch
 
-_ATTR = "_graphstash_not_stashable"
+_ATTR = "_graphstash_not_movable"
 # storage address -> weak reference to a marked tensor: catches views of a marked tensor that
 # an operator makes before saving (they are new tensor objects without the attribute).
 _marked_storages: dict[int, weakref.ref] = {}
 
 
-def mark_not_stashable(t: torch.Tensor) -> torch.Tensor:
-    """Keep ``t`` (and views of its storage) out of ``stash_activations``; returns ``t``.
+def mark_not_movable(t: torch.Tensor) -> torch.Tensor:
+    """Keep ``t`` (and every view of its storage) where it is: no stash, offload or swap
+    moves it. Returns ``t``.
 
     Args:
         t: any tensor, on any device.
@@ -36,6 +41,7 @@ def mark_not_stashable(t: torch.Tensor) -> torch.Tensor:
 
 
 def is_marked(t: torch.Tensor) -> bool:
+    """Whether ``t`` or a tensor sharing its storage was passed to :func:`mark_not_movable`."""
     if getattr(t, _ATTR, False):
         return True
     if not _marked_storages:
@@ -49,3 +55,18 @@ def is_marked(t: torch.Tensor) -> bool:
         del _marked_storages[ptr]
         return False
     return True
+
+
+def is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, a leaf that requires grad, or a view of one: alive anyway, never moved."""
+    base = t._base
+    return (isinstance(t, torch.nn.Parameter) or isinstance(base, torch.nn.Parameter)
+            or (t.is_leaf and t.requires_grad)
+            or (base is not None and base.is_leaf and base.requires_grad))
+
+
+def movable(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether a saved tensor may move at all: a plain strided tensor on ``device`` with
+    elements, no parameter (:func:`is_parameter`) and not marked (:func:`is_marked`)."""
+    return (type(t) is torch.Tensor and t.layout == torch.strided and t.device == device
+            and t.numel() > 0 and not is_parameter(t) and not is_marked(t))
