@@ -15,7 +15,9 @@ from .offload import ActivationOffloader, HostPool
 from .paging import PagedStashBuffer, PagedTensor, new_status
 from .stash import (StashConfig, StashManager, current_manager, mark_not_stashable,
                     stash_activations)
-from .swap import TensorSwapper, default_swapper, swap
+from . import swap
+from ._saved import mark_not_movable
+from .swap import TensorSwapper, default_swapper, swap_activations
 
 __version__ = "0.1.0"
 
@@ -61,11 +63,13 @@ __all__ = [
     "dropless",
     "graph_step",
     "is_dropless",
+    "mark_not_movable",
     "mark_not_stashable",
     "moe",
     "new_status",
     "stash_activations",
     "swap",
+    "swap_activations",
     "warmup",
     "__version__",
 ]

@@ -11,15 +11,24 @@ Example::
 
     for i, layer in enumerate(model.layers):
         x = x + layer.attn(x)
-        with graphstash.swap("layers.*.mlp"):
+        with graphstash.swap_activations("layers.*.mlp"):
             x = x + layer.mlp(x)
     loss = x.float().pow(2).mean()
     loss.backward()
+
+NOTE [swap module alias]: the context function was called ``swap`` like this module, so
+``graphstash.swap`` was a function until ``import graphstash.swap`` made it the module. The
+function is now :func:`swap_activations`; the module stays ``graphstash.swap`` and, for code
+written against the old name, calling the module (or ``graphstash.swap.swap``) still works
+with a ``DeprecationWarning``.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
+import sys
+import types
+import warnings
 import weakref
 
 import torch
@@ -29,7 +38,7 @@ from ._saved import HookContext, Kept, RetireQueue
 from ._saved.host import HostCopier, HostHandle, HostPool, StorageRecord, host_movable, storage_key
 from .errors import OffloadError
 
-__all__ = ["TensorSwapper", "default_swapper", "swap"]
+__all__ = ["TensorSwapper", "default_swapper", "swap_activations"]
 
 _KEPT, _COPYING, _ON_HOST, _RELOADING, _READY = "kept", "copying", "on_host", "reloading", "ready"
 
@@ -394,8 +403,8 @@ def default_swapper() -> TensorSwapper:
     return _default
 
 
-def swap(module_tag: str = "default", prefetch: bool = True, check_fn=None, *,
-         module_name: str | None = None, swapper: TensorSwapper | None = None):
+def swap_activations(module_tag: str = "default", prefetch: bool = True, check_fn=None, *,
+                     module_name: str | None = None, swapper: TensorSwapper | None = None):
     """Swap the tensors saved inside the returned context as one layer of ``module_tag``.
 
     Uses :func:`default_swapper` unless ``swapper`` is given; see :meth:`TensorSwapper.swap`
@@ -404,9 +413,32 @@ def swap(module_tag: str = "default", prefetch: bool = True, check_fn=None, *,
     Example::
 
         for layer in model.layers:
-            with graphstash.swap("layers.*.mlp"):
+            with graphstash.swap_activations("layers.*.mlp"):
                 x = layer.mlp(x)
     """
     if swapper is not None and not isinstance(swapper, TensorSwapper):
         raise TypeError(f"swapper: expected a TensorSwapper or None, got {type(swapper).__name__}")
     return (swapper or default_swapper()).swap(module_tag, prefetch, check_fn, module_name=module_name)
+
+
+def _warn_deprecated() -> None:
+    warnings.warn("graphstash.swap(...) is deprecated: use graphstash.swap_activations(...) "
+                  "(graphstash.swap is the module)", DeprecationWarning, stacklevel=3)
+
+
+def swap(*args, **kwargs):
+    """Deprecated name of :func:`swap_activations` (NOTE [swap module alias])."""
+    _warn_deprecated()
+    return swap_activations(*args, **kwargs)
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as the deprecated ``graphstash.swap(...)`` (NOTE [swap module
+    alias])."""
+
+    def __call__(self, *args, **kwargs):
+        _warn_deprecated()
+        return swap_activations(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

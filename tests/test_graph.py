@@ -3,6 +3,7 @@ device-side update skipping (the same tensor code the graph captures)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -236,8 +237,34 @@ def test_stash_overflow_reruns_grows_budget_and_matches_eager(gen):
     # the last one is kept; 0.2, 0.3, 0.45, 0.675 of that overflow, 1.0125 fits
     assert st.stash_pages_peak == 32
     assert (st.overflows, st.eager_reruns, st.steps) == (4, 4, 10)
-    assert config.device_factor == pytest.approx(0.2 * 1.5 ** 4)
+    assert train_step.stash_manager.config.device_factor == pytest.approx(0.2 * 1.5 ** 4)
+    assert config.device_factor == 0.2                  # grown in a copy, not in place
     assert int(opt.state[next(model.parameters())]["step"]) == 10
+
+
+def test_stash_config_shared_by_two_steps_is_not_grown_by_one(gen):
+    """Two decorated steps share one StashConfig; the one that overflows grows its own copy:
+    the config and the other step's manager keep device_factor 0.2."""
+    stash = pytest.importorskip("graphstash.stash")
+    config = stash.StashConfig(page_size=32, device_factor=0.2, host_tier=False,
+                               min_tensor_bytes=0, backend="reference")
+    steps = []
+    for _ in range(2):
+        model, opt, _, _ = _make_pair(OPTIMIZERS["adamw"])
+        model.opt = opt
+        steps.append(_stash_step(stash, model, torch.tensor([256], dtype=torch.int32), config,
+                                 per_layer=True))
+    xs, ys, _ = _data(gen, 3, batch=256)
+    with pytest.warns(RuntimeWarning):
+        for x, y in zip(xs, ys):
+            steps[0](x, y)
+        steps[1](xs[0], ys[0])         # one warmup step: measures, never overflows
+    assert steps[0].stats.overflows > 0 and steps[1].stats.overflows == 0
+    assert steps[0].stash_manager.config.device_factor > 0.2
+    assert config.device_factor == 0.2
+    assert steps[1].stash_manager.config.device_factor == 0.2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.device_factor = 1.0
 
 
 def test_single_stash_group_is_kept_not_stashed(gen):

@@ -76,8 +76,15 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
             pytest.skip(reason)
         _run_in_process(path, tmp_path, monkeypatch)
         return
+    import os
+
     import nbformat
     from nbclient import NotebookClient
+
+    # the kernel imports graphstash from this checkout, not from wherever it is installed
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p))
 
     nb = nbformat.read(path, as_version=4)
     assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"), \

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import graphstash
-from graphstash import CaptureError, ReleasedError, SavedTensorsError, StaleHandleError
+from graphstash import (CaptureError, ReleasedError, SavedTensorModifiedError, SavedTensorsError,
+                        StaleHandleError, StashOverflowError)
 from graphstash.bench.stash import ExpertStack, make_inputs, one_f_one_b, run_schedule
 from graphstash.stash import (StashConfig, StashManager, current_manager, mark_not_stashable,
                               stash_activations)
@@ -314,7 +315,8 @@ def test_overflow_mid_step_sets_flags_and_corrupts_nothing(gen):
     _zero(model)
     manager.begin_step()
     run_schedule(model, inputs, counts, order, 1, manager)    # must not raise
-    manager.end_step()
+    with pytest.raises(StashOverflowError, match="overflowed \\(the pool was too small\\)"):
+        manager.end_step()                                    # NOTE [eager overflow]
     status = manager.read_status()
     assert status["overflow"] and status["overflow_reasons"] == ["pool"]
     for s in status["buffers"].values():
@@ -458,8 +460,8 @@ def test_zero_tail_and_copy_blocks_reach_the_buffers(monkeypatch, gen):
         with stash_activations(counts[0][0], manager=StashManager(device="cpu"), zero_tail=1):
             pass
     for blocks, expected in ((0, None), (5, 5)):
-        manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=B,
-                                           copy_blocks=blocks), device="cpu")
+        manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=4 * B,
+                                           copy_blocks=blocks), device="cpu")   # never overflows
         calls = []
         from graphstash.paging import PagedStashBuffer
         real_stash, real_reload = PagedStashBuffer.stash, PagedStashBuffer.reload

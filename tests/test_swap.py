@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from graphstash.offload import ActivationOffloader, OffloadError, SavedTensorModifiedError
-from graphstash.swap import TensorSwapper, default_swapper, swap
+from graphstash.swap import TensorSwapper, default_swapper, swap_activations as swap
 
 from _marks import Marker
 

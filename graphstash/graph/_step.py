@@ -27,8 +27,10 @@ from .. import _layout as L
 from .._checks import forbid_capture
 from .._mode import dropless
 from ..errors import CaptureError, ReleasedError, UpdateAppliedError
+from ..paging import new_status
 from . import _staging as S
 from ._update import DeviceUpdate, check_optimizer, has_state, hyperparameters
+from .protocol import StepParticipant
 
 _LIVE_GRAPHS: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -300,12 +302,12 @@ class GraphStep:
             if manager is not None:
                 self._status = manager.status
             else:
-                self._status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=self.device)
+                self._status = new_status(self.device)
         return self._status
 
     def _stash_manager_if_given(self):
         arg = self._stash_arg
-        if arg is None or isinstance(arg, bool) or not hasattr(arg, "begin_step"):
+        if not isinstance(arg, StepParticipant):
             return None
         self._manager = arg
         return arg
@@ -326,8 +328,9 @@ class GraphStep:
 
             config = StashConfig() if self._stash_arg is True else self._stash_arg
             if not isinstance(config, StashConfig):
-                raise TypeError(f"stash: expected a graphstash.StashConfig, a StashManager, True or "
-                                f"None, got {type(config).__name__}")
+                raise TypeError(f"stash: expected a graphstash.StashConfig, a StashManager (or "
+                                f"another StepParticipant), True or None, got "
+                                f"{type(config).__name__}")
             self._manager = StashManager(config, device=dev, status=status)
         if self.optimizer is not None:
             self._update = DeviceUpdate(self.optimizer, scaler=self.scaler, mode=self._update_skip,
@@ -373,11 +376,7 @@ class GraphStep:
         if self._device is not None and self._device.type == "cuda":
             st.peak_memory_bytes = torch.cuda.max_memory_allocated(self._device)
         if self._manager is not None and not self._released:
-            try:
-                buffers = self._manager.read_status().get("buffers", {})
-                st.stash_pages_peak = sum(int(b.get("peak_pages", 0)) for b in buffers.values())
-            except Exception:     # the manager may be released or not yet allocated
-                st.stash_pages_peak = self._stats.stash_pages_peak
+            st.stash_pages_peak = self._manager.peak()
         return st
 
     def release(self) -> None:
@@ -516,7 +515,7 @@ class GraphStep:
             with manager:
                 manager.begin_step()
                 out = self._fn(*args, **kwargs)
-                manager.end_step()
+                manager.end_step(check=False)     # the flags are read by the caller
             return out
 
     def _rng_offsets(self) -> list:
@@ -601,17 +600,11 @@ class GraphStep:
         return out
 
     def _grow_budget(self) -> bool:
-        """Grow the stash's sizing factor by ``budget_growth`` and resize its buffers; True if
-        there is a stash. A host-only stash (``device_factor`` 0, which StashConfig accepts
-        only with a host tier) grows its host tier: multiplying 0 would grow nothing."""
-        config = getattr(self._manager, "config", None)
-        if config is None:
+        """Grow the stash by ``budget_growth`` (``grow``: NOTE [step protocol], a new config,
+        never the user's); True if there is a stash."""
+        if self._manager is None:
             return False
-        if config.device_factor == 0:
-            config.host_factor = config.host_factor * self._budget_growth
-        else:
-            config.device_factor = config.device_factor * self._budget_growth
-        self._manager.size_from_demand()
+        self._manager.grow(self._budget_growth)
         return True
 
     # ---- capture ------------------------------------------------------------------------
@@ -639,11 +632,7 @@ class GraphStep:
         self._check_capturable()
         dev = self.device
         if self._manager is not None:
-            self._manager.size_from_demand()
-            from .. import _kernels
-
-            if _kernels.availability()[0]:
-                _kernels.warmup(dev)
+            self._manager.warmup()
         self._zero_grad()                    # NOTE [gradients]
         torch.cuda.synchronize(dev)
         if self._stats.memory_before_capture is None:
@@ -794,8 +783,9 @@ def graph_step(fn=None, *, optimizer=None, scaler=None, warmup: int = 2, stash=N
         on_new_shape: ``"error"`` raises ValueError naming the argument; ``"recapture"`` keeps
             up to ``max_graphs`` graphs (and ``graph_memory_budget`` bytes), least recently
             used dropped first.
-        budget_growth: finite factor > 1 applied to the stash ``device_factor`` after an
-            overflow (to ``host_factor`` for a host-only stash).
+        budget_growth: finite factor > 1 the stash grows by after an overflow
+            (``StashManager.grow``: a new config with ``device_factor x budget_growth``, or
+            ``host_factor`` for a host-only stash; the config passed in is not changed).
         on_overflow: optional ``callable(flags: dict)`` called after a rerun applied its
             update (for example to grow an MoE dispatch budget); graphs are recaptured
             afterwards. If it raises, the call raises :class:`graphstash.UpdateAppliedError`

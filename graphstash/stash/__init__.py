@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from .._saved import mark_not_movable as mark_not_stashable
 from .config import StashConfig
-from .context import current_manager, stash_activations
+from .context import current_manager, require_zero_tail, stash_activations
 from .manager import StashManager
 from .trace import StashTrace
 
 __all__ = ["StashConfig", "StashManager", "StashTrace", "current_manager", "mark_not_stashable",
-           "stash_activations"]
+           "require_zero_tail", "stash_activations"]

@@ -10,9 +10,12 @@ PREFETCH_POINTS = ("at_last_unpack", "after_release")
 POLICIES = ("auto", "always", "never")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StashConfig:
     """How a :class:`~graphstash.StashManager` sizes its buffers and picks what it stashes.
+
+    Frozen: a manager that grows after an overflow derives a new config
+    (``dataclasses.replace``), so one config can be shared by several managers and steps.
 
     Attributes:
         page_size: rows per page of every buffer.

@@ -28,6 +28,28 @@ def current_manager() -> StashManager | None:
     return manager
 
 
+def require_zero_tail(what: str) -> None:
+    """Declare that the op being recorded has a backward that reads the rows past the live
+    counts (``what`` names it, e.g. ``"grouped_mm's masked dense fallback"``).
+
+    Inside ``stash_activations(..., zero_tail=False)`` this raises ValueError naming
+    ``zero_tail``: a reload would leave those rows unwritten and that backward would read
+    garbage (NaN gradients, NOTE [padding rows] in ``manager.py``). Anywhere else it does
+    nothing. Ops whose backward may touch padding rows call it before saving their inputs.
+
+    Example::
+
+        if impl == "masked":
+            graphstash.stash.require_zero_tail("grouped_mm's masked dense fallback")
+    """
+    outer = _open_group_context()
+    if outer is not None and outer.payload.scopes and not outer.payload.scopes[-1].zero_tail:
+        raise ValueError(
+            f"zero_tail: stash_activations group {outer.payload.label} was entered with "
+            f"zero_tail=False, but {what} reads the rows past the counts in its backward; "
+            "pass zero_tail=True (the default) around it")
+
+
 def _unpack(packed):
     if isinstance(packed, Kept):
         return packed.unpack()

@@ -87,20 +87,26 @@ counts back, raise ``CaptureError`` while capturing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
+import warnings
 
 import torch
 
+from .. import _kernels
 from .. import _layout as L
 from .._checks import check_status, describe, forbid_capture, is_capturing, normalize_device
 from .._saved import Kept, RetireQueue, SideStream, movable
-from ..errors import CaptureError, ReleasedError, SavedTensorsError, StaleHandleError
+from ..errors import (CaptureError, ReleasedError, SavedTensorsError, StaleHandleError,
+                      StashOverflowError)
 from ..paging import PagedStashBuffer, new_status
 from ._group import Entry, Group
 from ._schedule import Schedule, replay_demand
 from .trace import StashTrace
 from .config import StashConfig
+
+EAGER_OVERFLOW = ("raise", "warn")
 
 _defaults = threading.local()
 
@@ -127,6 +133,12 @@ class StashManager:
             when torch sees no GPU; the CPU runs the reference backend without streams).
         status: optional int32 ``[8]`` status tensor on ``device`` to share (the graph
             manager passes one so MoE over-budget and stash flags live in one tensor).
+        eager_overflow: what :meth:`end_step` does when the step overflowed (NOTE [eager
+            overflow]): ``"raise"`` :class:`~graphstash.errors.StashOverflowError` (default)
+            or ``"warn"`` (a ``RuntimeWarning``).
+
+    The manager is what :func:`graphstash.graph_step` drives through ``stash=`` (NOTE [step
+    protocol] in ``graphstash/graph/protocol.py``).
 
     Example::
 
@@ -136,18 +148,24 @@ class StashManager:
             with manager:
                 loss = model(batch)      # expert blocks run inside stash_activations(count)
                 loss.backward()
-            manager.end_step()
-            if manager.read_status()["overflow"]:
-                ...                      # the step is untrusted: rerun it dropless
+            try:
+                manager.end_step()
+            except graphstash.StashOverflowError:
+                ...                      # the step is untrusted: rerun it dropless, grow
+                manager.clear_status()
     """
 
     def __init__(self, config: StashConfig | None = None, *, device=None,
-                 status: torch.Tensor | None = None):
+                 status: torch.Tensor | None = None, eager_overflow: str = "raise"):
         if config is None:
             config = StashConfig()
         if not isinstance(config, StashConfig):
             raise TypeError(f"config: expected a graphstash.StashConfig, got {type(config).__name__}")
         config.validate()
+        if eager_overflow not in EAGER_OVERFLOW:
+            raise ValueError(f"eager_overflow: expected one of {EAGER_OVERFLOW}, got "
+                             f"{eager_overflow!r}")
+        self.eager_overflow = eager_overflow
         if status is not None:
             if not isinstance(status, torch.Tensor):
                 raise TypeError(f"status: expected an int32 tensor of shape ({L.STATUS_SIZE},), "
@@ -243,12 +261,73 @@ class StashManager:
         self._join()
         self.status.zero_()
 
-    def end_step(self) -> None:
+    def end_step(self, *, check: bool = True) -> None:
         """Join the pack and unpack streams into the current stream and drop the step's
-        references (call it before a CUDA graph capture ends)."""
+        references (call it before a CUDA graph capture ends).
+
+        With ``check`` (default) and outside a capture, it then reads the status (one sync)
+        and reports an overflow as ``eager_overflow`` says (NOTE [eager overflow]); the graph
+        manager passes ``check=False``: it reads the status itself.
+        """
         self._join()
         self._close_step()
         self._raise_deferred()
+        if check and not is_capturing():
+            self._report_overflow()
+
+    def _report_overflow(self) -> None:
+        # NOTE [eager overflow]: a stash that overflowed stored nothing and its reload wrote
+        # nothing (NOTE [padding rows]), so the step's gradients are wrong and only a device
+        # flag says so. Outside graph_step (which reruns such a step dropless) nobody else
+        # reads that flag: end_step() reads it and raises (or warns). The flag is sticky:
+        # every end_step() reports it until clear_status(), so a caller that goes on without
+        # handling it is told at every step it trains on untrusted gradients.
+        bits = int(self.status[L.SS_OVERFLOW].item())
+        if not bits:
+            return
+        reasons = " and ".join(name for bit, name in ((L.OVERFLOW_POOL, "the pool was too small"),
+                                                      (L.OVERFLOW_COUNT, "a count was out of range"))
+                               if bits & bit)
+        message = (f"StashManager.end_step(): the stash overflowed ({reasons}); the reloaded "
+                   "tensors, and so this step's gradients, are wrong. Rerun the step under "
+                   "graphstash.dropless(), grow the pool (grow() or size_from_demand()) and call "
+                   "clear_status(); graphstash.graph_step does all of this itself")
+        if self.eager_overflow == "raise":
+            raise StashOverflowError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def warmup(self) -> None:
+        """Before a CUDA graph capture: size the buffers from the demand measured so far and
+        compile the kernels (NOTE [step protocol]). Not capturable."""
+        forbid_capture("StashManager.warmup()")
+        self.size_from_demand()
+        if self._cuda and _kernels.availability()[0]:
+            _kernels.warmup(self.device)
+
+    def grow(self, factor: float) -> bool:
+        """After an overflow: ``config`` becomes a copy with ``device_factor x factor``
+        (``dataclasses.replace``; the config the manager was built with is not changed) and
+        the buffers are re-sized from the demand measured so far. A host-only stash
+        (``device_factor`` 0, accepted only with a host tier) grows ``host_factor`` instead:
+        multiplying 0 would grow nothing. True if a buffer changed.
+
+        Args:
+            factor: a finite number > 1.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+                1.0 < factor < math.inf):
+            raise ValueError(f"factor: expected a finite number > 1, got {factor!r}")
+        c = self.config
+        field = "host_factor" if c.device_factor == 0 else "device_factor"
+        self.config = dataclasses.replace(c, **{field: getattr(c, field) * factor})
+        return self.size_from_demand()
+
+    def peak(self) -> int:
+        """Device pages in use at the high-water mark, summed over the buffers (syncs; 0 while
+        released or before any buffer exists)."""
+        if self._released:
+            return 0
+        return sum(b["peak_pages"] for b in self.read_status()["buffers"].values())
 
     def _close_step(self) -> None:
         """Finish the open step, retire its pending groups and forget its groups."""
