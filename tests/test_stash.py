@@ -9,11 +9,13 @@ import pytest
 import torch
 
 import graphstash
-from graphstash import (CaptureError, ReleasedError, SavedTensorModifiedError, SavedTensorsError,
-                        StaleHandleError, StashOverflowError)
-from graphstash.bench.stash import ExpertStack, make_inputs, one_f_one_b, run_schedule
+from graphstash import (CaptureError, ReleasedError, SavedTensorsError, StaleHandleError,
+                        StashOverflowError)
+from graphstash.bench.stash import ExpertStack, make_inputs
 from graphstash.stash import (StashConfig, StashManager, current_manager, mark_not_stashable,
                               stash_activations)
+
+from _schedule import one_f_one_b, run_schedule
 
 B, H, FF, L = 192, 16, 40, 4       # budget rows, hidden, ffn, layers
 

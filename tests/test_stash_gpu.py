@@ -12,9 +12,10 @@ import torch
 import graphstash
 from graphstash import CaptureError
 from graphstash.bench._timing import capture_with_output
-from graphstash.bench.stash import (ExpertStack, _config_run, _sized_peak, make_inputs,
-                                    one_f_one_b, run_schedule)
+from graphstash.bench.stash import ExpertStack, _config_run, _sized_peak, make_inputs
 from graphstash.stash import StashConfig, StashManager, stash_activations
+
+from _schedule import one_f_one_b, run_schedule
 
 pytestmark = pytest.mark.gpu
 
@@ -253,3 +254,34 @@ def test_capture_without_warmup_raises_capture_error(gen):
         with torch.cuda.graph(graph):
             with stash_activations(n, manager=manager):
                 (x * 2).exp()
+
+
+def test_in_place_write_to_stashed_tensor_raises(gen):
+    """The in-place check (NOTE [in-place check]) holds on the GPU path too: the stash runs
+    on the pack stream, the check compares versions at unpack."""
+    from graphstash import SavedTensorModifiedError, StashOverflowError
+
+    manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=4 * B), device="cuda")
+    rows = torch.arange(B, dtype=torch.float32).unsqueeze(1) * 100 + torch.arange(H)
+    x = (rows + torch.rand(B, H, generator=gen)).cuda().requires_grad_(True)
+    n = torch.tensor([B // 3], dtype=torch.int32, device="cuda")
+    manager.begin_step()
+    with stash_activations(n, manager=manager, name="exp"):
+        z = (x * 1).exp()
+    with stash_activations(n, manager=manager, name="next"):
+        pass
+    z.add_(1)
+    with pytest.raises(SavedTensorModifiedError, match="modified in place"):
+        z.sum().backward()
+    manager.end_step()                        # no overflow: nothing to report
+    # an eager step that overflows is reported at end_step (NOTE [eager overflow])
+    small = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=64, host_tier=False),
+                         device="cuda")
+    small.begin_step()
+    with stash_activations(torch.tensor([B], dtype=torch.int32, device="cuda"), manager=small):
+        z = (x * 1).exp()
+    with stash_activations(torch.tensor([B], dtype=torch.int32, device="cuda"), manager=small):
+        pass
+    z.sum().backward()
+    with pytest.raises(StashOverflowError):
+        small.end_step()

@@ -67,7 +67,7 @@ multiprocessor, and so does a large GEMM running beside them on the compute stre
 compete for the same multiprocessors. ``StashConfig.copy_blocks`` caps the copy grid so the
 compute keeps most of them (the kernels hand out work dynamically, so any grid copies
 everything). In the MoE benchmark half the multiprocessors was measured fastest among 16,
-33, 66 and all 132 blocks on an H200 (``tools/moe_stash_variants.py``).
+33, 66 and all 132 blocks on an H200 (``benchmarks/probes/moe_stash_variants.py``).
 
 NOTE [entry cycle]: an ``Entry`` points to its ``Group`` (the unpack hook needs the group's
 state) and ``Group.entries`` points back, so the two form a reference cycle. Kept tensors
@@ -98,24 +98,22 @@ from .. import _kernels
 from .. import _layout as L
 from .._checks import check_status, describe, forbid_capture, is_capturing, normalize_device
 from .._saved import Kept, RetireQueue, SideStream, movable
+from .._saved.registry import thread_stack
 from ..errors import (CaptureError, ReleasedError, SavedTensorsError, StaleHandleError,
                       StashOverflowError)
 from ..paging import PagedStashBuffer, new_status
 from ._group import Entry, Group
 from ._schedule import Schedule, replay_demand
-from .trace import StashTrace
 from .config import StashConfig
+from .trace import StashTrace
 
 EAGER_OVERFLOW = ("raise", "warn")
 
-_defaults = threading.local()
+_defaults = threading.local()      # .stack: the `with manager:` blocks of this thread
 
 
 def _default_stack() -> list:
-    stack = getattr(_defaults, "stack", None)
-    if stack is None:
-        stack = _defaults.stack = []
-    return stack
+    return thread_stack(_defaults)
 
 
 def _key_name(key) -> str:
@@ -825,6 +823,8 @@ class StashManager:
         if exc is not None:
             raise exc
 
-def _current_default() -> StashManager | None:
+
+def current_default() -> StashManager | None:
+    """The innermost `with manager:` of this thread, or None."""
     stack = _default_stack()
     return stack[-1] if stack else None

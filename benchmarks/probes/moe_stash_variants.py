@@ -5,7 +5,7 @@ Runs a configuration of ``graphstash.bench.moe`` (one GPU) in modes "eager dropl
 ``StashConfig.copy_blocks`` and ``StashConfig.device_factor`` given, all in one process, and prints one line per run with its ratios to the two baselines. Sizes of the
 configuration can be overridden.
 
-Usage: ``python tools/moe_stash_variants.py --copy-blocks 0 66 --device-factor 1.1 1.05
+Usage: ``python benchmarks/probes/moe_stash_variants.py --copy-blocks 0 66 --device-factor 1.1 1.05
 --tokens 32768 --layers 24``
 """
 from __future__ import annotations

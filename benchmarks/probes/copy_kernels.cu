@@ -1,20 +1,23 @@
-"""Copy kernels the probes in ``tools/`` measure (CuPy ``RawModule`` source).
+// Copy kernels the probes in benchmarks/probes/ measure (compiled by _copy_kernels.py).
+// Tunables are #ifndef defaults the loader overrides with -D.
 
-- ``vector_copy(src, dst, n_vec)``: grid-stride 16-byte loads and stores, ``UNROLL`` in flight
-  per thread; ``THREADS`` and ``MIN_BLOCKS`` set ``__launch_bounds__`` (defaults 512 and 1).
-- ``bulk_copy(src, dst, bytes)``: one thread per block moves ``CHUNK``-byte pieces with
-  ``cp.async.bulk`` through shared memory, ``STAGES`` pieces in flight (sm_90 and later);
-  launch it with ``CHUNK * STAGES`` bytes of dynamic shared memory.
-"""
-from __future__ import annotations
-
-SOURCE = r"""
+#ifndef UNROLL
+#define UNROLL 8
+#endif
+#ifndef CHUNK
+#define CHUNK 16384
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
 #ifndef THREADS
 #define THREADS 512
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
 #endif
+// vector_copy: grid-stride loop, one 16-byte uint4 per thread and step, UNROLL loads in
+// flight before their stores. Writes dst[0, n_vec); no atomics; no ordering between blocks.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 vector_copy(const uint4* __restrict__ src, uint4* __restrict__ dst, long long n_vec) {
     constexpr int U = UNROLL;
@@ -34,6 +37,10 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// bulk_copy: one thread per block moves CHUNK-byte pieces (piece c = block + k * grid)
+// global -> shared -> global with cp.async.bulk, STAGES pieces in flight, each stage guarded
+// by an mbarrier. Writes dst[0, bytes); sm_90 and later; needs CHUNK * STAGES bytes of
+// dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(32, 32)
 bulk_copy(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
           long long bytes) {
@@ -78,14 +85,3 @@ bulk_copy(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst
     }
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
-"""
-
-
-def module(unroll: int = 8, chunk: int = 16384, stages: int = 4, threads: int = 512,
-           min_blocks: int = 1):
-    """Compile :data:`SOURCE` with the given sizes (a ``cupy.RawModule``)."""
-    import cupy
-
-    opts = ("--std=c++17", f"-DTHREADS={threads}", f"-DMIN_BLOCKS={min_blocks}",
-            f"-DUNROLL={unroll}", f"-DCHUNK={chunk}", f"-DSTAGES={max(1, stages)}")
-    return cupy.RawModule(code=SOURCE, options=opts)

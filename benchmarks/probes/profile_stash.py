@@ -1,6 +1,6 @@
 """Run the headline stash/reload case and the torch copies a few times, for ncu.
 
-    ncu --clock-control none -k regex:"gs_|copy|Copy" python tools/profile_stash.py
+    ncu --clock-control none -k regex:"gs_|copy|Copy" python benchmarks/probes/profile_stash.py
 """
 import torch
 

@@ -15,7 +15,7 @@ several shapes of copy kernel:
 ``hidden`` is the share of the copy's own time that disappears when it runs beside the
 GEMMs: ``(gemm + copy - both) / copy``; ``gemm x`` is how much the GEMM chain slows down.
 
-Usage: ``python tools/overlap_probe.py [--copy-mib 1024] [--gemms 24] [--reps 10]``.
+Usage: ``python benchmarks/probes/overlap_probe.py [--copy-mib 1024] [--gemms 24] [--reps 10]``.
 Needs a CUDA GPU of compute capability 9.x (``torch._grouped_mm`` in bf16) and CuPy.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ measures, in one run, each direction of a ``bytes``-sized transfer three ways:
   memory, then shared memory to global), ``stages`` pieces in flight per block, one thread
   issuing (sm_90 and later).
 
-Usage: ``python tools/pcie_probe.py [--mib 90] [--reps 10]``; prints GB/s and the ratio to
+Usage: ``python benchmarks/probes/pcie_probe.py [--mib 90] [--reps 10]``; prints GB/s and the ratio to
 ``copy_`` per direction and variant. Needs a CUDA GPU and CuPy.
 """
 from __future__ import annotations
