@@ -152,6 +152,11 @@ class ActivationOffloader:
         self.enabled = False
 
     @property
+    def pending_forwards(self) -> int:
+        """Forwards whose backward has not used every offloaded tensor yet (0 between steps)."""
+        return len(self._chunks)
+
+    @property
     def transfer_log(self):
         """Recent copies, oldest first: ``("d2h" | "h2d" | "adopt" | "release", group name)``."""
         return self._mover.log

@@ -323,6 +323,13 @@ class PagedStashBuffer:
         return self._pool.state
 
     @property
+    def free_lists(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int32 device and host free-page rings (``[num_device_pages]``,
+        ``[num_host_pages]``, on the device): the page ids in ring order. No sync."""
+        self._require_live("free_lists")
+        return self._pool.dev_ring, self._pool.host_ring
+
+    @property
     def device_bytes(self) -> int:
         """Bytes of device memory the pages and bookkeeping take (0 after ``release()``)."""
         if self._pool is None:
@@ -345,7 +352,7 @@ class PagedStashBuffer:
         entries = self._record_entries or max(65536, 8 * (num_dev + num_host))
         status = self._shared_status
         if status is None:
-            status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)
+            status = new_status(device)
         self._pool = _Pool(
             dev_pages=torch.empty((num_dev, P * self._row_bytes), dtype=torch.uint8, device=device),
             host_pages=torch.empty((num_host, P * self._row_bytes), dtype=torch.uint8,

@@ -134,6 +134,11 @@ class TensorSwapper:
         self._outstanding = 0                    # items not yet unpacked, all tags
 
     @property
+    def outstanding(self) -> int:
+        """Swapped tensors backward has not used yet, over all tags (0 between steps)."""
+        return self._outstanding
+
+    @property
     def transfer_log(self):
         """Recent copies, oldest first: ``("d2h" | "h2d", (tag, layer, index))``, ``("release", ...)``."""
         return self._mover.log

@@ -501,3 +501,23 @@ def test_capture_failure_message_names_the_line():
         msg = _capture_failure_message(exc, "train_step")
     assert "capturing train_step failed at" in msg and "test_graph.py" in msg
     assert "raise RuntimeError" in msg and ".item()" in msg
+
+
+def test_graph_step_drives_a_manager_through_the_step_protocol(gen):
+    """graph_step(stash=manager) takes any StepParticipant; a StashConfig is not one."""
+    from graphstash.graph.protocol import StepParticipant
+
+    stash = pytest.importorskip("graphstash.stash")
+    manager = stash.StashManager(stash.StashConfig(min_tensor_bytes=0), device="cpu")
+    assert isinstance(manager, StepParticipant)
+    assert not isinstance(stash.StashConfig(), StepParticipant)
+    model, opt, _, _ = _make_pair(OPTIMIZERS["adamw"])
+    model.opt = opt
+    step = _stash_step(stash, model, torch.tensor([256], dtype=torch.int32), manager,
+                       per_layer=True)
+    xs, ys, _ = _data(gen, 2, batch=256)
+    with pytest.warns(RuntimeWarning):
+        for x, y in zip(xs, ys):
+            step(x, y)
+    assert step.stash_manager is manager and step.status is manager.status
+    assert step.stats.steps == 2

@@ -79,7 +79,7 @@ def test_gradients_exact_and_pool_reused(gen, api):
             assert allocations > 0
         assert off.host_pool.allocations == allocations          # no host allocation per step
         assert off.host_pool.in_use_bytes == 0                    # every buffer given back
-        assert off._chunks == []
+        assert off.pending_forwards == 0
 
 
 def test_schedule_release_keep_last_and_prefetch(gen):
@@ -348,7 +348,7 @@ def test_second_backward_refused_and_backward_inside_scope(gen):
             y = torch.sin(x * 2).sum()
         y.backward()                                # backward while the forward scope is open
     assert torch.equal(x.grad, (2 * torch.cos(x * 2)).detach())
-    assert off._chunks == []
+    assert off.pending_forwards == 0
 
 
 def test_layouts_preserved(gen):
@@ -429,7 +429,7 @@ def test_views_of_one_storage_move_once(gen):
     assert ("h2d", "g") in off.transfer_log
     region = rows * width * 4
     assert off.summary() == {"g": 7 * region, "after": 0, "total": 7 * region}
-    assert off.host_pool.in_use_bytes == 0 and off._chunks == []
+    assert off.host_pool.in_use_bytes == 0 and off.pending_forwards == 0
 
 
 def test_views_rebuilt_on_one_reload(gen):
@@ -487,7 +487,7 @@ def test_abandoned_forward_is_retired(gen):
     del y                                            # graph dropped, no backward
     with off:
         pass
-    assert off.host_pool.in_use_bytes == 0 and off._chunks == []
+    assert off.host_pool.in_use_bytes == 0 and off.pending_forwards == 0
 
 
 def test_num_groups_given_and_summary_table(gen):

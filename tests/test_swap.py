@@ -66,7 +66,7 @@ def test_gradients_exact_keys_and_last_layer_kept(gen):
         if step == 0:
             allocations = sw.host_pool.allocations
         assert sw.host_pool.allocations == allocations and sw.host_pool.in_use_bytes == 0
-        assert sw._outstanding == 0
+        assert sw.outstanding == 0
 
 
 def test_wildcard_module_names(gen):
@@ -188,7 +188,7 @@ def test_misuse_and_inplace(gen):
     with pytest.raises(SavedTensorModifiedError, match="modified in place"):
         y.sum().backward()
     sw.reset()
-    assert sw.host_pool.in_use_bytes == 0 and sw._outstanding == 0
+    assert sw.host_pool.in_use_bytes == 0 and sw.outstanding == 0
 
 
 def test_microbatches_restart_keys_and_abandoned_forward(gen):
@@ -243,7 +243,7 @@ def test_views_of_one_storage_share_one_copy(gen):
         assert [k for k in d2h if k[1] == 0] == [(l, 0) for l in range(swapped)]
         assert len(d2h) == 3 * swapped, d2h
         assert sw.swapped_bytes("v.*") == swapped * (8 * WIDTH * 4 + 4 + 8 * WIDTH * 4)
-        assert sw.host_pool.in_use_bytes == 0 and sw._outstanding == 0
+        assert sw.host_pool.in_use_bytes == 0 and sw.outstanding == 0
 
 
 def test_default_swapper_is_shared():

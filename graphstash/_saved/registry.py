@@ -21,11 +21,16 @@ from ..errors import SavedTensorsError
 _tls = threading.local()
 
 
-def _stack() -> list:
-    stack = getattr(_tls, "stack", None)
+def thread_stack(local: threading.local) -> list:
+    """The list ``local.stack`` of the calling thread (created empty on first use)."""
+    stack = getattr(local, "stack", None)
     if stack is None:
-        stack = _tls.stack = []
+        stack = local.stack = []
     return stack
+
+
+def _stack() -> list:
+    return thread_stack(_tls)
 
 
 def innermost() -> "HookContext | None":

@@ -8,7 +8,7 @@ from .._checks import COUNT_DTYPES, describe
 from .._mode import is_dropless
 from .._saved import HookContext, Kept, innermost
 from ._group import Group, Scope
-from .manager import StashManager, _current_default
+from .manager import StashManager, current_default
 
 
 def _open_group_context() -> HookContext | None:
@@ -20,7 +20,7 @@ def _open_group_context() -> HookContext | None:
 def current_manager() -> StashManager | None:
     """The manager ``stash_activations`` uses when none is passed: the innermost
     ``with manager:``, else the manager of the enclosing ``stash_activations``, else None."""
-    manager = _current_default()
+    manager = current_default()
     if manager is None:
         outer = _open_group_context()
         if outer is not None:
