@@ -5,8 +5,9 @@ to pinned host memory on a device-to-host stream when the group is committed, th
 memory is given back once the copy is done, and in backward they come back on a host-to-device
 stream, the group before them being fetched while the current one computes.
 
-The same machinery (host pool, side streams, saved-tensor records, version checks) serves
-:mod:`graphstash.swap`.
+A policy on the saved-tensor core (:mod:`graphstash._saved`): the host pool, storage records
+and copier (``_saved/host.py``) are shared with :mod:`graphstash.swap`; hook context, version
+checks, side streams and retirement with the stash too.
 
 Example::
 

@@ -7,6 +7,7 @@ name their argument, and every public module importable as a module.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import warnings
 
 import pytest
@@ -230,14 +231,23 @@ def test_mark_not_movable_is_the_one_opt_out(gen):
     assert graphstash.stash.mark_not_stashable is graphstash.mark_not_movable
 
 
-PUBLIC_MODULES = ["graphstash.errors", "graphstash.offload", "graphstash.swap", "graphstash.paging",
-                  "graphstash.stash", "graphstash.stash.config", "graphstash.stash.context",
-                  "graphstash.stash.manager", "graphstash.stash.trace", "graphstash.graph",
-                  "graphstash.graph.protocol", "graphstash.moe", "graphstash.models",
-                  "graphstash.reference", "graphstash.bench", "graphstash.cli"]
+def _public_modules() -> list[str]:
+    """Every module of the package no part of whose dotted name starts with ``_``."""
+    import pkgutil
+
+    names = [m.name for m in pkgutil.walk_packages(graphstash.__path__, "graphstash.")]
+    return sorted(n for n in names if not any(part.startswith("_") for part in n.split(".")))
 
 
-@pytest.mark.parametrize("name", PUBLIC_MODULES)
+# graphstash.moe re-exports the function dispatch() under its module's name; moe/ is not
+# changed here, so the clash stays visible: strict, this fails as soon as it is fixed.
+_CLASHES = {"graphstash.moe.dispatch"}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="function dispatch() shadows "
+                                            "the module graphstash.moe.dispatch"))
+    if n in _CLASHES else n for n in _public_modules()])
 def test_import_gives_the_module(name):
     import types
 
@@ -260,3 +270,35 @@ def test_swap_function_is_an_alias_with_a_deprecation_warning(gen):
         z = (_rows(gen) * 2).exp()
     z.sum().backward()
     assert swapper.swapped_bytes("layers.*") == z.numel() * 4   # the first forward swaps all
+
+
+POLICY_FILES = ["offload.py", "swap.py", "paging.py", "stash", "_saved", "graph"]
+
+
+def test_policies_import_no_private_names_of_other_modules():
+    """stash, offload, swap, the core and the graph manager import public names only (a
+    private *module* such as ``_layout`` is fine; a ``_name`` defined in another one is not)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(graphstash.__file__).parent
+    files = [p for entry in POLICY_FILES
+             for p in ([root / entry] if entry.endswith(".py") else (root / entry).rglob("*.py"))]
+    offenders = []
+    for path in files:
+        package = ".".join(("graphstash",) + path.relative_to(root).parent.parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.module == "__future__":
+                continue
+            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
+                if node.level else node.module
+            if not base.startswith("graphstash"):
+                continue
+            for alias in node.names:
+                if not alias.name.startswith("_"):
+                    continue
+                try:
+                    importlib.import_module(f"{base}.{alias.name}")      # a private module
+                except ImportError:
+                    offenders.append(f"{path.relative_to(root)}: from {base} import {alias.name}")
+    assert offenders == []
