@@ -254,11 +254,11 @@ def test_stash_config_shared_by_two_steps_is_not_grown_by_one(gen):
         model.opt = opt
         steps.append(_stash_step(stash, model, torch.tensor([256], dtype=torch.int32), config,
                                  per_layer=True))
-    xs, ys, _ = _data(gen, 3, batch=256)
+    xs, ys, _ = _data(gen, 2, batch=256)
     with pytest.warns(RuntimeWarning):
-        for x, y in zip(xs, ys):
+        for x, y in zip(xs, ys):       # a warmup step measures, the next one overflows
             steps[0](x, y)
-        steps[1](xs[0], ys[0])         # one warmup step: measures, never overflows
+        steps[1](xs[0], ys[0])         # a warmup step only: measures, never overflows
     assert steps[0].stats.overflows > 0 and steps[1].stats.overflows == 0
     assert steps[0].stash_manager.config.device_factor > 0.2
     assert config.device_factor == 0.2
