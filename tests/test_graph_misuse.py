@@ -315,7 +315,9 @@ def test_host_only_stash_grows_its_host_tier_after_overflow(gen):
     st_ = train_step.stats
     # 0.3, 0.45, 0.675 of the demand overflow; 1.0125 holds it: every later step fits
     assert (st_.overflows, st_.steps) == (3, 8)
-    assert config.device_factor == 0 and config.host_factor == pytest.approx(0.3 * 1.5 ** 3)
+    grown = train_step.stash_manager.config          # a new config: the one passed is kept
+    assert grown.device_factor == 0 and grown.host_factor == pytest.approx(0.3 * 1.5 ** 3)
+    assert config.host_factor == 0.3
 
 
 # ---- item 9: arguments named in the error ---------------------------------------------------
