@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .errors import (BackendUnavailableError, CaptureError, GraphstashError, PoolExhaustedError,
                      ReleasedError, StaleHandleError, UpdateAppliedError)
-from . import moe
+from . import memory, moe
 from ._mode import dropless, is_dropless
 from .graph import GraphStep, GraphStepStats, graph_step
 from .offload import ActivationOffloader, HostPool, OffloadError, SavedTensorModifiedError
@@ -59,6 +59,7 @@ __all__ = [
     "graph_step",
     "is_dropless",
     "mark_not_stashable",
+    "memory",
     "moe",
     "new_status",
     "stash_activations",

@@ -63,7 +63,7 @@ def _config(args, on_gpu: bool) -> tuple[MoEConfig, list]:
         capped = {k: min(getattr(config, k), v) for k, v in CPU_LIMITS.items()}
         if any(capped[k] != getattr(config, k) for k in capped):
             notes.append("on the CPU the model is reduced to " + ", ".join(
-                f"{k}={v}" for k, v in capped.items()) + " (before the flags given)")
+                f"{k}={v}" for k, v in capped.items()) + " (flags given override these)")
         config = dataclasses.replace(config, **capped)
     elif args.preset and "layers" not in overrides:
         notes.append(f"{GPU_LAYERS} of the preset's {config.layers} layers (--layers to change)")
@@ -137,11 +137,12 @@ def run(args) -> int:
         print(f"recorded: the CUDA graph capture of one step and one replay, after {warmup} "
               f"eager warmup steps")
     else:
-        where = "eagerly on the CPU (no CUDA graph), reference backend" if not on_gpu \
-            else "eagerly"
+        where = "eagerly" if on_gpu else "eagerly on the CPU (no CUDA graph), reference backend"
         print(f"recorded: one step {where}, after {warmup} warmup steps")
-    report = profile(lambda x: step(), static_x, model=model, optimizer=opt, stash_manager=manager, warmup=warmup,
-                     steps=2 if graphed else 1, device=dev, capture=graphed)
+    # static_x goes in as an argument so that the report lists it as the step's input.
+    report = profile(lambda x: step(), static_x, model=model, optimizer=opt,
+                     stash_manager=manager, warmup=warmup, steps=2 if graphed else 1,
+                     device=dev, capture=graphed)
     print()
     print(report.table(top=args.top))
     if args.plot:

@@ -248,6 +248,52 @@ def test_cli_memory_names_bad_flags(capsys, argv, name):
     assert name in capsys.readouterr().err
 
 
+# ---- the allocator trace replay and its pairing with storages (pure Python) -----------------
+def test_trace_replay_counts_blocks_from_alloc_to_free_requested(gen):
+    from graphstash.memory._allocator import _replay
+
+    base = 1 << 40
+    sizes = [int(v) * 512 for v in torch.randint(1, 64, (4,), generator=gen)]
+    before = [(base, sizes[0])]                            # allocated before the recording
+    trace = [
+        {"action": "alloc", "addr": base + 4096 * 1, "size": sizes[1], "time_us": 10},
+        {"action": "segment_alloc", "addr": base + (1 << 30), "size": 1 << 21, "time_us": 11},
+        {"action": "alloc", "addr": base + 4096 * 2, "size": sizes[2], "time_us": 12},
+        {"action": "free_requested", "addr": base, "size": sizes[0], "time_us": 13},
+        {"action": "free_completed", "addr": base, "size": sizes[0], "time_us": 14},
+        {"action": "free_requested", "addr": base + 4096 * 1, "size": sizes[1], "time_us": 15},
+        {"action": "alloc", "addr": base + 4096 * 1, "size": sizes[3], "time_us": 16},
+        # the same address again without a recorded free: the older block ends here
+        {"action": "alloc", "addr": base + 4096 * 1, "size": sizes[1], "time_us": 17},
+    ]
+    blocks, events, times = _replay(before, trace)
+    assert [(b.addr - base, b.nbytes, b.start, b.end) for b in blocks] == [
+        (0, sizes[0], -1, 2), (4096, sizes[1], 0, 3), (8192, sizes[2], 1, None),
+        (4096, sizes[3], 4, 5), (4096, sizes[1], 6, None)]
+    assert events == [(1, 1), (2, 1), (0, -1), (1, -1), (3, 1), (3, -1), (4, 1)]
+    assert times == [10, 12, 13, 15, 16, 17, 17]
+
+
+def test_storages_pair_with_the_block_closest_in_time(gen):
+    from graphstash.memory._allocator import TraceBlock, match_records
+    from graphstash.memory._storage import StorageRecord
+
+    offset = int(torch.randint(-10 ** 6, 10 ** 6, (1,), generator=gen))   # clock difference
+    blocks = [TraceBlock(0xA000, 512, 0, 1, t_alloc_us=100 + offset, t_free_us=105 + offset),
+              TraceBlock(0xA000, 512, 2, 3, t_alloc_us=108 + offset, t_free_us=150 + offset),
+              TraceBlock(0xA000, 1024, 4, None, t_alloc_us=160 + offset),
+              TraceBlock(0xB000, 256, 5, None, t_alloc_us=161 + offset),
+              TraceBlock(0xC000, 256, -1, None)]
+    dev = torch.device("cuda", 0)
+    records = [StorageRecord((dev, 0xA000), 512, 0, 1, t_alloc_us=109, t_free_us=151),
+               StorageRecord((dev, 0xA000), 1024, 2, None, t_alloc_us=161),
+               StorageRecord((dev, 0xB000), 256, 3, None, t_alloc_us=162),
+               StorageRecord((dev, 0xC000), 256, -1)]          # existed before: not paired
+    matched, close = match_records(blocks, records)
+    assert matched == {1: records[0], 2: records[1], 3: records[2]}
+    assert close == 1.0
+
+
 # ---- CUDA -----------------------------------------------------------------------------------
 def _cuda_moe(mode: str, layers: int = 2):
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -125,6 +125,8 @@ def profile(step_fn: Callable, *args, model=None, optimizer=None, stash_manager=
     recorder = StorageRecorder(dev, root=model)
     allocator = AllocatorRecorder(dev, max_entries) if on_cuda else None
     held = []                                    # the graph and its static outputs
+    # As NOTE [measuring peaks] in graphstash.bench.stash: collect garbage first and keep the
+    # cyclic collector off, so nothing unrelated is freed in the middle of the step.
     gc.collect()
     gc_was_enabled = gc.isenabled()
     gc.disable()
@@ -168,10 +170,14 @@ def profile(step_fn: Callable, *args, model=None, optimizer=None, stash_manager=
                  "not seen)"]
         allocator_peak = None
     else:
-        blocks = _cuda_blocks(recording, recorder, start_owners, end_owners, starts, dev)
+        blocks, close = _cuda_blocks(recording, recorder, start_owners, end_owners, starts,
+                                     dev)
         events = recording.events
         marks = [(bisect_left(recording.times_us, t), label) for _, label, t in recorder.marks]
         notes = ["CUDA: requested bytes from the allocator history (NOTE [trace accounting])"]
+        if close < 0.9:
+            notes.append(f"only {close:.0%} of the tensors matched an allocator block closely "
+                         f"in time (NOTE [matching storages to blocks]): owners may be off")
         if recording.truncated:
             notes.append(f"the allocator history filled max_entries={max_entries}: its oldest "
                          f"part is lost, raise max_entries")
@@ -208,9 +214,10 @@ def _cpu_block(rec, start_owners, end_owners, starts) -> Block:
     return Block(rec.nbytes, rec.start, rec.end, owner, detail)
 
 
-def _cuda_blocks(recording, recorder, start_owners, end_owners, starts, dev) -> list:
-    """Blocks of the allocator trace with their owners (NOTE [owners] in ``_report.py``)."""
-    matched = match_records(recording.blocks, recorder.records)
+def _cuda_blocks(recording, recorder, start_owners, end_owners, starts, dev):
+    """Blocks of the allocator trace with their owners (NOTE [owners] in ``_report.py``),
+    and the share of the recorder's storages matched closely to a block."""
+    matched, close = match_records(recording.blocks, recorder.records)
     blocks = []
     for i, tb in enumerate(recording.blocks):
         key = (dev, tb.addr)
@@ -228,7 +235,7 @@ def _cuda_blocks(recording, recorder, start_owners, end_owners, starts, dev) -> 
         else:
             owner, detail = TEMPORARIES, f"inside an op: {site(tb.frames)}"
         blocks.append(Block(tb.nbytes, tb.start, tb.end, owner, detail, tb.in_graph_pool))
-    return blocks
+    return blocks, close
 
 
 __all__ = ["MemoryReport", "OWNERS", "SAVED_ACTIVATIONS", "profile", "static_footprint"]

@@ -15,7 +15,6 @@ up to 1 MiB); the report gives both.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 
 import torch
@@ -79,22 +78,19 @@ class AllocatorRecorder:
         self.device = device
         self.index = _device_index(device)
         self.max_entries = max_entries
-        self._gc_was_enabled = False
         self._before: list = []
         self._before_pools: list = []
 
     def start(self) -> None:
-        # As NOTE [measuring peaks] in graphstash.bench.stash: collect garbage first and keep
-        # the cyclic collector off, so nothing unrelated is freed in the middle of the step.
-        gc.collect()
+        """Turn the history on (cleared), read the blocks alive now, reset the peak."""
         torch.cuda.synchronize(self.device)
         torch.cuda.memory._record_memory_history(None)
-        self._gc_was_enabled = gc.isenabled()
-        gc.disable()
-        torch.cuda.memory._record_memory_history("all", context="alloc", stacks="python",
-                                                 max_entries=self.max_entries,
-                                                 clear_history=True)
-        snapshot = torch.cuda.memory._snapshot(self.device)
+        kwargs = dict(context="alloc", stacks="python", max_entries=self.max_entries)
+        try:
+            torch.cuda.memory._record_memory_history("all", clear_history=True, **kwargs)
+        except TypeError:       # torch without clear_history: enabling resets the history
+            torch.cuda.memory._record_memory_history("all", **kwargs)
+        snapshot = torch.cuda.memory._snapshot()
         segments = _segments(snapshot, self.index)
         self._before_pools = _private_pools(segments)
         self._before = [(b["address"], b.get("requested_size", b["size"]))
@@ -103,14 +99,13 @@ class AllocatorRecorder:
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def stop(self) -> AllocatorRecording:
+        """Read the history, turn it off and replay it into blocks."""
         try:
             torch.cuda.synchronize(self.device)
-            snapshot = torch.cuda.memory._snapshot(self.device)
+            snapshot = torch.cuda.memory._snapshot()
             allocator_peak = torch.cuda.max_memory_allocated(self.device)
         finally:
             torch.cuda.memory._record_memory_history(None)
-            if self._gc_was_enabled:
-                gc.enable()
         traces = snapshot.get("device_traces", [])
         trace = list(traces[self.index]) if self.index < len(traces) else []
         pools = self._before_pools + _private_pools(_segments(snapshot, self.index))
@@ -166,31 +161,43 @@ def site(frames: list) -> str:
     return "no Python frames"
 
 
-def match_records(blocks: list, records: list) -> dict:
-    """``{block index: record}`` pairing the recorder's storages with allocator blocks.
+def match_records(blocks: list, records: list) -> tuple[dict, float]:
+    """``({block index: record}, share of records matched closely)`` pairing the recorder's
+    storages with allocator blocks.
 
-    A storage's data pointer is its block's address; several blocks may have had that
-    address during the recording, so the pair is the one whose allocation and free times are
-    closest (both clocks are wall-clock microseconds)."""
+    NOTE [matching storages to blocks]: a storage's data pointer is its block's address, but
+    several blocks may have had that address during the recording, so the pair is the block
+    at that address whose allocation and free times are closest to the storage's. Both are
+    wall-clock microseconds (the allocator converts its cycle counter to Unix time); a
+    constant offset between the two clocks is estimated first, as the median over storages
+    whose address had one block only. A storage whose nearest block is more than a
+    millisecond off counts as matched loosely; the share of close matches goes into the
+    report's notes when it is low.
+    """
     by_addr: dict = {}
     for i, b in enumerate(blocks):
         if b.start >= 0:
             by_addr.setdefault(b.addr, []).append(i)
+    records = [r for r in records if r.start >= 0 and r.key[1] in by_addr]
+    single = sorted(blocks[by_addr[r.key[1]][0]].t_alloc_us - r.t_alloc_us for r in records
+                    if len(by_addr[r.key[1]]) == 1)
+    offset = single[len(single) // 2] if single else 0
     far = 10 ** 15
-    matched = {}
+    matched, close = {}, 0
     for rec in records:
-        if rec.start < 0:
-            continue
         best, best_cost = None, None
-        for i in by_addr.get(rec.key[1], ()):
+        for i in by_addr[rec.key[1]]:
             b = blocks[i]
             if (b.t_free_us is None) != (rec.t_free_us is None):
                 free_cost = far
+            elif b.t_free_us is None:
+                free_cost = 0
             else:
-                free_cost = abs((b.t_free_us or 0) - (rec.t_free_us or 0))
-            cost = abs(b.t_alloc_us - rec.t_alloc_us) + free_cost
+                free_cost = abs(b.t_free_us - offset - rec.t_free_us)
+            cost = abs(b.t_alloc_us - offset - rec.t_alloc_us) + free_cost
             if best_cost is None or cost < best_cost:
                 best, best_cost = i, cost
-        if best is not None and best not in matched:
+        if best not in matched:
             matched[best] = rec
-    return matched
+            close += best_cost <= 2000
+    return matched, close / max(1, len(records))
