@@ -149,7 +149,7 @@ def test_gradients_dropped_by_the_step_are_not_kept_alive(gen):
     only the gradients made so far are alive (the recorder must hold no reference)."""
     model, opt, manager, x = _moe("budget", gen)
     step = _moe_step(model, opt, manager, set_to_none=True)
-    report = profile(step, x, model=model, optimizer=opt, warmup=2)
+    report = profile(step, x, model=model, optimizer=opt, warmup=1)
     _check_adds_up(report)
     params, grads, state = _hand_static(model, opt)
     assert report._where_peak() == "step 1: backward"
@@ -173,15 +173,6 @@ def test_several_steps_and_optimizer_phase(gen):
     assert "step 2: forward" in labels and "step 2: backward" in labels
     assert "step 2: optimizer" in labels
     assert any(b.detail.endswith("(optimizer)") for b in two.blocks)
-
-
-def test_plot_writes_the_timeline(gen, tmp_path):
-    pytest.importorskip("matplotlib", reason="plot() needs matplotlib")
-    model, opt, manager, x = _moe("budget", gen, layers=1)
-    report = profile(_moe_step(model, opt, manager, True), x, model=model, optimizer=opt)
-    path = report.plot(tmp_path / "timeline.png")
-    with open(path, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 # ---- bad arguments --------------------------------------------------------------------------
@@ -228,7 +219,8 @@ def test_cli_memory_runs_tiny_on_the_cpu(capsys, tmp_path, mode):
     assert "reduced" in out and "float32 on cpu" in out and "no CUDA graph" in out
     assert "1 layers, hidden 32, ffn 48" in out
     assert "peak:" in out and "activation peak:" in out and "parameters" in out
-    assert plot.stat().st_size > 0
+    with open(plot, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     if mode == "stash":
         assert "stash pool" in out
 
