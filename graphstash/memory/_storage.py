@@ -159,19 +159,16 @@ class StorageRecorder(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not self._active:
             return out
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outputs = [st for st in map(self._storage, tree_leaves(out)) if st is not None]
         if not outputs:
             return out
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.device == self.device}
+        inputs = {st.data_ptr() for st in map(self._storage, tree_leaves((args, kwargs)))
+                  if st is not None}
         phase = None
-        for t in outputs:
-            if t.device != self.device:
-                continue
-            st = t.untyped_storage()
+        for st in outputs:
             nbytes = st.nbytes()
             ptr = st.data_ptr()
-            key = (t.device, ptr)
+            key = (self.device, ptr)
             if nbytes == 0 or ptr in inputs or key in self._live:
                 continue
             if phase is None:
@@ -183,6 +180,15 @@ class StorageRecorder(TorchDispatchMode):
                                 t_alloc_us=time.time_ns() // 1000)
             self._add(rec, st, event=True)
         return out
+
+    def _storage(self, t):
+        """The untyped storage of ``t`` if it is a tensor on the recorded device, else None."""
+        if not isinstance(t, torch.Tensor) or t.device != self.device:
+            return None
+        try:
+            return t.untyped_storage()
+        except (RuntimeError, NotImplementedError):     # sparse or other storage-less layouts
+            return None
 
     def _add(self, rec: StorageRecord, storage, event: bool) -> None:
         index = len(self.records)
@@ -203,8 +209,9 @@ class StorageRecorder(TorchDispatchMode):
 
 
 def _called_from_stash() -> bool:
-    """True if a frame of graphstash's stash package or paging module is on the stack."""
-    frame = sys._getframe(2)
+    """True if a frame of graphstash's stash package or paging module is on the stack (of
+    this thread: the autograd engine's device threads have short stacks)."""
+    frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename.startswith(_STASH_DIRS):
             return True
