@@ -286,6 +286,62 @@ def test_storages_pair_with_the_block_closest_in_time(gen):
     assert close == 1.0
 
 
+def test_allocator_blocks_take_the_owners_of_their_storages(gen):
+    """The CUDA path's owner assignment, fed with an allocator trace built from a CPU
+    recording: every storage's block gets the owner the CPU path gives the storage; a block
+    no tensor came from is an op's scratch; older blocks in a graph pool belong to it."""
+    from graphstash.memory import _cpu_block, _cuda_blocks
+    from graphstash.memory._allocator import AllocatorRecording, TraceBlock
+    from graphstash.memory._report import backward_starts
+    from graphstash.memory._static import owner_map
+    from graphstash.memory._storage import StorageRecorder
+
+    model, opt, manager, x = _moe("budget", gen, layers=1)
+    step = _moe_step(model, opt, manager, set_to_none=True)
+    step(x)
+    cpu = torch.device("cpu")
+    recorder = StorageRecorder(cpu, root=model)
+    recorder.start()
+    recorder.begin_step()
+    step(x)
+    recorder.stop()
+    offset = int(torch.randint(1, 10 ** 6, (1,), generator=gen))    # the allocator's clock
+    blocks = [TraceBlock(1 << 50, 4096, -1, None, in_graph_pool=True)]
+    events, times, of_record = [], [], {}
+    for index, delta in recorder.events:
+        rec = recorder.records[index]
+        if delta > 0:
+            of_record[index] = len(blocks)
+            blocks.append(TraceBlock(rec.key[1], rec.nbytes, len(events),
+                                     t_alloc_us=rec.t_alloc_us + offset))
+            if len(of_record) == 3:       # an op's scratch block, right after its output
+                blocks.append(TraceBlock((1 << 50) + 4096, 512, len(events) + 1, len(events) + 2,
+                                         t_alloc_us=rec.t_alloc_us + offset,
+                                         t_free_us=rec.t_alloc_us + offset,
+                                         frames=[{"filename": "/src/kernels.py", "line": 7,
+                                                  "name": "launch"}]))
+                events += [(len(blocks) - 1, 1), (len(blocks) - 1, -1)]
+                times += [blocks[-1].t_alloc_us] * 2
+        else:
+            block = blocks[of_record[index]]
+            block.end, block.t_free_us = len(events), rec.t_free_us + offset
+        events.append((of_record[index], delta))
+        times.append(blocks[of_record[index]].t_alloc_us)
+    recording = AllocatorRecording(blocks, events, 0, False, times)
+    end_owners = owner_map(model, opt, None, (x,))
+    starts = backward_starts(recorder.marks)
+    got, close = _cuda_blocks(recording, recorder, {}, end_owners, starts, cpu)
+    assert close == 1.0
+    assert (got[0].owner, got[0].detail) == ("CUDA-graph pool", "allocated before the step")
+    scratch = [b for b in got if b.detail.startswith("inside an op")]
+    assert [b.detail for b in scratch] == ["inside an op: kernels.py:7 launch"]
+    for index, block_index in of_record.items():
+        want = _cpu_block(recorder.records[index], {}, end_owners, starts)
+        assert (got[block_index].owner, got[block_index].detail) == (want.owner, want.detail)
+    owners = {b.owner for b in got}
+    assert {"gradients", "saved activations", "temporaries"} <= owners
+
+
 # ---- CUDA -----------------------------------------------------------------------------------
 def _cuda_moe(mode: str, layers: int = 2):
     dev = torch.device("cuda", torch.cuda.current_device())
