@@ -199,16 +199,15 @@ class MemoryReport:
     def plot(self, path) -> str:
         """Write the memory timeline (bytes by owner over the allocation events) to ``path``
         (any format matplotlib writes, by its suffix); returns the path."""
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        # A bare Figure (no pyplot): the caller's backend and open figures stay as they are.
+        from matplotlib.figure import Figure
 
         xs, series = self.timeline()
         owners = [o for o in OWNERS if any(series[o])]
-        fig, ax = plt.subplots(figsize=(10, 5))
+        fig = Figure(figsize=(10, 5))
+        ax = fig.subplots()
         ax.stackplot(xs, *[[v / MIB for v in series[o]] for o in owners], labels=owners,
-                     step="post")
+                     colors=[f"C{OWNERS.index(o)}" for o in owners], step="post")
         if self.peak_event is not None:
             ax.axvline(self.peak_event + 1, color="black", lw=0.8, ls="--")
             ax.annotate(f"peak {self.peak / MIB:,.1f} MiB", (self.peak_event + 1, self.peak / MIB),
@@ -225,7 +224,6 @@ class MemoryReport:
         ax.legend(loc="upper left", fontsize=7)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
-        plt.close(fig)
         return str(path)
 
 
