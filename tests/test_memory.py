@@ -281,9 +281,9 @@ def test_storages_pair_with_the_block_closest_in_time(gen):
                StorageRecord((dev, 0xA000), 1024, 2, None, t_alloc_us=161),
                StorageRecord((dev, 0xB000), 256, 3, None, t_alloc_us=162),
                StorageRecord((dev, 0xC000), 256, -1)]          # existed before: not paired
-    matched, close = match_records(blocks, records)
+    matched, close, found_offset = match_records(blocks, records)
     assert matched == {1: records[0], 2: records[1], 3: records[2]}
-    assert close == 1.0
+    assert close == 1.0 and found_offset == offset - 1     # the one storage alone at its address
 
 
 def test_allocator_blocks_take_the_owners_of_their_storages(gen):
@@ -291,7 +291,7 @@ def test_allocator_blocks_take_the_owners_of_their_storages(gen):
     recording: every storage's block gets the owner the CPU path gives the storage; a block
     no tensor came from is an op's scratch; older blocks in a graph pool belong to it."""
     from graphstash.memory import _cpu_block, _cuda_blocks
-    from graphstash.memory._allocator import AllocatorRecording, TraceBlock
+    from graphstash.memory._allocator import AllocatorRecording, TraceBlock, match_records
     from graphstash.memory._report import backward_starts
     from graphstash.memory._static import owner_map
     from graphstash.memory._storage import StorageRecorder
@@ -330,8 +330,9 @@ def test_allocator_blocks_take_the_owners_of_their_storages(gen):
     recording = AllocatorRecording(blocks, events, 0, False, times)
     end_owners = owner_map(model, opt, None, (x,))
     starts = backward_starts(recorder.marks)
-    got, close = _cuda_blocks(recording, recorder, {}, end_owners, starts, cpu)
-    assert close == 1.0
+    matched, close, found_offset = match_records(blocks, recorder.records)
+    assert close == 1.0 and found_offset == offset
+    got = _cuda_blocks(recording, matched, {}, end_owners, starts, cpu)
     assert (got[0].owner, got[0].detail) == ("CUDA-graph pool", "allocated before the step")
     scratch = [b for b in got if b.detail.startswith("inside an op")]
     assert [b.detail for b in scratch] == ["inside an op: kernels.py:7 launch"]

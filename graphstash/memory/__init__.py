@@ -170,10 +170,11 @@ def profile(step_fn: Callable, *args, model=None, optimizer=None, stash_manager=
                  "not seen)"]
         allocator_peak = None
     else:
-        blocks, close = _cuda_blocks(recording, recorder, start_owners, end_owners, starts,
-                                     dev)
+        matched, close, offset = match_records(recording.blocks, recorder.records)
+        blocks = _cuda_blocks(recording, matched, start_owners, end_owners, starts, dev)
         events = recording.events
-        marks = [(bisect_left(recording.times_us, t), label) for _, label, t in recorder.marks]
+        marks = [(bisect_left(recording.times_us, t + offset), label)
+                 for _, label, t in recorder.marks]
         notes = ["CUDA: requested bytes from the allocator history (NOTE [trace accounting])"]
         if close < 0.9:
             notes.append(f"only {close:.0%} of the tensors matched an allocator block closely "
@@ -214,10 +215,9 @@ def _cpu_block(rec, start_owners, end_owners, starts) -> Block:
     return Block(rec.nbytes, rec.start, rec.end, owner, detail)
 
 
-def _cuda_blocks(recording, recorder, start_owners, end_owners, starts, dev):
-    """Blocks of the allocator trace with their owners (NOTE [owners] in ``_report.py``),
-    and the share of the recorder's storages matched closely to a block."""
-    matched, close = match_records(recording.blocks, recorder.records)
+def _cuda_blocks(recording, matched, start_owners, end_owners, starts, dev) -> list:
+    """Blocks of the allocator trace with their owners (NOTE [owners] in ``_report.py``);
+    ``matched`` pairs blocks with the recorder's storages (``match_records``)."""
     blocks = []
     for i, tb in enumerate(recording.blocks):
         key = (dev, tb.addr)
@@ -235,7 +235,7 @@ def _cuda_blocks(recording, recorder, start_owners, end_owners, starts, dev):
         else:
             owner, detail = TEMPORARIES, f"inside an op: {site(tb.frames)}"
         blocks.append(Block(tb.nbytes, tb.start, tb.end, owner, detail, tb.in_graph_pool))
-    return blocks, close
+    return blocks
 
 
 __all__ = ["MemoryReport", "OWNERS", "SAVED_ACTIVATIONS", "profile", "static_footprint"]

@@ -161,9 +161,9 @@ def site(frames: list) -> str:
     return "no Python frames"
 
 
-def match_records(blocks: list, records: list) -> tuple[dict, float]:
-    """``({block index: record}, share of records matched closely)`` pairing the recorder's
-    storages with allocator blocks.
+def match_records(blocks: list, records: list) -> tuple[dict, float, int]:
+    """``({block index: record}, share of records matched closely, clock offset in µs)``
+    pairing the recorder's storages with allocator blocks.
 
     NOTE [matching storages to blocks]: a storage's data pointer is its block's address, but
     several blocks may have had that address during the recording, so the pair is the block
@@ -200,4 +200,4 @@ def match_records(blocks: list, records: list) -> tuple[dict, float]:
         if best not in matched:
             matched[best] = rec
             close += best_cost <= 2000
-    return matched, close / max(1, len(records))
+    return matched, close / max(1, len(records)), offset

@@ -4,8 +4,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ._static import (GRADIENTS, INPUTS, OPTIMIZER_STATE, PARAMETERS, STASH_POOL,
-                      STATIC_OWNERS)
+from ._static import GRADIENTS, INPUTS, OPTIMIZER_STATE, PARAMETERS, STASH_POOL
 from ._storage import BACKWARD, FORWARD
 
 GRAPH_POOL = "CUDA-graph pool"
@@ -259,5 +258,4 @@ def peak_of(blocks: list, events: list) -> tuple[int, int | None]:
     return peak, peak_event
 
 
-__all__ = ["Block", "MemoryReport", "OWNERS", "classify", "layer_group", "peak_of",
-           "STATIC_OWNERS"]
+__all__ = ["Block", "MemoryReport", "OWNERS", "classify", "layer_group", "peak_of"]
