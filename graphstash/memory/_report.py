@@ -96,12 +96,12 @@ class MemoryReport:
     device: str
     peak: int
     peak_event: int | None
-    blocks: list
-    events: list
-    static_bytes: int
+    blocks: list = dataclasses.field(repr=False)
+    events: list = dataclasses.field(repr=False)    # (index into blocks, +1 | -1)
+    static_bytes: int = 0
     allocator_peak: int | None = None
-    marks: list = dataclasses.field(default_factory=list)     # (event index, label)
-    notes: list = dataclasses.field(default_factory=list)
+    marks: list = dataclasses.field(default_factory=list, repr=False)  # (event, label)
+    notes: list = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def activation_peak(self) -> int:
