@@ -15,7 +15,6 @@ import dataclasses
 
 import torch
 
-from . import _layout as L
 from .memory import profile
 from .models import PRESETS, MoEConfig, MoEModel, preset
 
@@ -29,7 +28,7 @@ GPU_LAYERS = 4
 # flag -> MoEConfig field
 _FLAGS = {"hidden": "hidden", "ffn": "ffn", "experts": "num_experts", "topk": "topk",
           "layers": "layers", "tokens": "num_tokens", "capacity_factor": "capacity_factor"}
-_WARMUP = {"dropless": 2, "budget": 3, "stash": 3}
+WARMUP = 2            # eager steps before the recorded one (graph_step's warmup)
 
 
 def add_arguments(p) -> None:
@@ -86,23 +85,60 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _manager(mode: str, dev: torch.device, status: torch.Tensor):
+def _stash_config(mode: str, dev: torch.device):
+    """The stash configuration ``graphstash bench moe`` runs (None without stashing)."""
     if mode != "stash":
         return None
-    from .stash import StashConfig, StashManager
+    from .stash import StashConfig
 
     if dev.type == "cuda":
-        from .bench.moe import _stash_manager
+        # As bench moe: NOTE [bench pool factor] there, NOTE [copy blocks] in stash/manager.py.
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        return StashConfig(host_tier=False, copy_blocks=max(1, sms // 2), device_factor=1.05)
+    # The reduced model's saved tensors are small: let all of them be candidates.
+    return StashConfig(host_tier=False, min_tensor_bytes=0)
 
-        return _stash_manager("graph + budget + stash", dev, status)
-    # Device tier only; the reduced model's saved tensors are small, so all are candidates.
-    return StashManager(StashConfig(host_tier=False, min_tensor_bytes=0), device=dev,
-                        status=status)
+
+def _build(mode: str, config: MoEConfig, dev: torch.device, dtype: torch.dtype):
+    """Model, optimizer, the step (``step(x)``) and its stash manager, as bench moe builds
+    them: ``graph_step`` for the budget and stash modes, a plain eager loop for dropless."""
+    from .graph import graph_step
+
+    on_gpu = dev.type == "cuda"
+    model = MoEModel(config, mode=mode, seed=0, device=dev, dtype=dtype)
+    graphed = mode != "dropless"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=on_gpu or None,
+                            capturable=on_gpu and graphed)
+
+    def loss_of(x):
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        return loss.detach()
+
+    if not graphed:
+        def step(x):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_of(x)
+            opt.step()
+            return loss
+        return model, opt, step, None
+    step = graph_step(loss_of, optimizer=opt, stash=_stash_config(mode, dev), warmup=WARMUP,
+                      device=dev)
+    model.status = step.status       # over-budget flags reach the step
+    return model, opt, step, step.stash_manager
+
+
+def _print_plan(manager) -> None:
+    """The stash manager's decision per layer group (NOTE [stash plan] in stash/manager.py)."""
+    if manager.plan():
+        print("\nstash plan (from the warmup measurement):")
+        print(manager.plan_table())
 
 
 def run(args) -> int:
     """Build, warm up and record one step; print the report (and write the plot)."""
-    from .bench.moe import train_step
+    import warnings
+
     from .moe import experts as _experts
 
     if args.top < 1:
@@ -112,19 +148,17 @@ def run(args) -> int:
     config, notes = _config(args, on_gpu)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     graphed = on_gpu and args.mode != "dropless"
-    status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=dev)
-    manager = _manager(args.mode, dev, status)
-    model = MoEModel(config, mode=args.mode, stash_manager=manager, status=status,
-                     seed=0).to(device=dev, dtype=dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=on_gpu or None,
-                            capturable=graphed)
-    gen = torch.Generator().manual_seed(1234)
-    static_x = torch.randn(config.num_tokens, config.hidden, generator=gen).to(dev, dtype)
     if on_gpu:
         # Decide before any capture whether the grouped GEMM may be captured
         # (NOTE [grouped_mm under capture] in graphstash/moe/experts.py).
         _experts._probe(dev, dtype)
-    step = train_step(model, opt, manager, static_x)
+    with warnings.catch_warnings():
+        # graph_step warns that it runs eagerly without CUDA; the output says so below.
+        warnings.filterwarnings("ignore", message=r"graphstash\.graph_step\(.*eagerly",
+                                category=RuntimeWarning)
+        model, opt, step, manager = _build(args.mode, config, dev, dtype)
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(config.num_tokens, config.hidden, generator=gen).to(dev, dtype)
     print(f"graphstash memory: {args.preset or 'default sizes'}, mode {args.mode}, "
           f"{config.layers} layers, hidden {config.hidden}, ffn {config.ffn}, "
           f"{config.num_experts} experts top-{config.topk}, {config.num_tokens} tokens, "
@@ -132,21 +166,23 @@ def run(args) -> int:
           f"on {dev}")
     for line in notes:
         print(line)
-    warmup = _WARMUP[args.mode]
     if graphed:
-        print(f"recorded: the CUDA graph capture of one step and one replay, after {warmup} "
-              f"eager warmup steps")
+        print(f"recorded: the CUDA graph capture of the step (graph_step) and one replay, "
+              f"after {WARMUP} eager warmup steps")
     else:
         where = "eagerly" if on_gpu else "eagerly on the CPU (no CUDA graph), reference backend"
-        print(f"recorded: one step {where}, after {warmup} warmup steps")
-    # static_x goes in as an argument so that the report lists it as the step's input.
-    report = profile(lambda x: step(), static_x, model=model, optimizer=opt,
-                     stash_manager=manager, warmup=warmup, steps=2 if graphed else 1,
-                     device=dev, capture=graphed)
+        print(f"recorded: one step {where}, after {WARMUP} warmup steps")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"graphstash\.graph_step\(.*eagerly",
+                                category=RuntimeWarning)
+        report = profile(step, x, model=model, optimizer=opt, stash_manager=manager,
+                         warmup=WARMUP, steps=2 if graphed else 1, device=dev)
+    if manager is not None:
+        _print_plan(manager)
     print()
     print(report.table(top=args.top))
     if args.plot:
         print(f"wrote {report.plot(args.plot)}")
-    if manager is not None:
-        manager.release()
+    if graphed:
+        step.release()
     return 0
