@@ -1,13 +1,14 @@
 """``graphstash memory``: where the memory of one training step of the reference MoE model is.
 
 Builds :class:`graphstash.models.MoEModel` (a preset of :data:`graphstash.models.PRESETS` or
-the default sizes, with any width overridden), AdamW, and in ``--mode stash`` a stash manager,
-runs warmup steps, then records one step with :func:`graphstash.memory.profile` and prints
-the peak, the owner totals and the blocks alive at the peak; ``--plot FILE`` writes the
-timeline. On a GPU the budget and stash modes record the CUDA graph capture of the step (and
-one replay), as ``graphstash bench moe`` runs them; dropless runs eagerly. On the CPU the model
-is reduced (:data:`CPU_LIMITS`), runs eagerly in float32 with the reference backend, and the
-command says so.
+the default sizes, with any width overridden) and AdamW, and the step as ``graphstash bench
+moe`` does: a plain eager loop in ``--mode dropless``, :func:`graphstash.graph_step` in the
+budget and stash modes (with ``stash=`` in the latter, whose plan is printed). After the
+warmup steps it records with :func:`graphstash.memory.profile` and prints the peak, the owner
+totals and the blocks alive at the peak; ``--plot FILE`` writes the timeline. On a GPU the
+graphed modes record the call that captures the step into a CUDA graph and the next call (a
+replay). On the CPU the model is reduced (:data:`CPU_LIMITS`) and runs eagerly in float32
+with the reference backend, and the command says so.
 """
 from __future__ import annotations
 
@@ -167,8 +168,8 @@ def run(args) -> int:
     for line in notes:
         print(line)
     if graphed:
-        print(f"recorded: the CUDA graph capture of the step (graph_step) and one replay, "
-              f"after {WARMUP} eager warmup steps")
+        print(f"recorded: the CUDA graph capture of the step by graph_step and the next "
+              f"call's replay, after {WARMUP} eager warmup steps")
     else:
         where = "eagerly" if on_gpu else "eagerly on the CPU (no CUDA graph), reference backend"
         print(f"recorded: one step {where}, after {WARMUP} warmup steps")
