@@ -12,7 +12,9 @@ with the reference backend, and the command says so.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
 
 import torch
 
@@ -136,10 +138,20 @@ def _print_plan(manager) -> None:
         print(manager.plan_table())
 
 
+@contextlib.contextmanager
+def _cpu_graph_step_quiet(on_gpu: bool):
+    """Without CUDA, silence graph_step's notes that it runs eagerly and that the (eager,
+    hence not capturable) optimizer would be refused on a GPU: the output says it runs
+    eagerly on the CPU."""
+    with warnings.catch_warnings():
+        if not on_gpu:
+            warnings.filterwarnings("ignore", message=r"graphstash\.graph_step\(",
+                                    category=RuntimeWarning)
+        yield
+
+
 def run(args) -> int:
     """Build, warm up and record one step; print the report (and write the plot)."""
-    import warnings
-
     from .moe import experts as _experts
 
     if args.top < 1:
@@ -153,10 +165,7 @@ def run(args) -> int:
         # Decide before any capture whether the grouped GEMM may be captured
         # (NOTE [grouped_mm under capture] in graphstash/moe/experts.py).
         _experts._probe(dev, dtype)
-    with warnings.catch_warnings():
-        # graph_step warns that it runs eagerly without CUDA; the output says so below.
-        warnings.filterwarnings("ignore", message=r"graphstash\.graph_step\(.*eagerly",
-                                category=RuntimeWarning)
+    with _cpu_graph_step_quiet(on_gpu):
         model, opt, step, manager = _build(args.mode, config, dev, dtype)
     gen = torch.Generator().manual_seed(1234)
     x = torch.randn(config.num_tokens, config.hidden, generator=gen).to(dev, dtype)
@@ -173,9 +182,7 @@ def run(args) -> int:
     else:
         where = "eagerly" if on_gpu else "eagerly on the CPU (no CUDA graph), reference backend"
         print(f"recorded: one step {where}, after {WARMUP} warmup steps")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"graphstash\.graph_step\(.*eagerly",
-                                category=RuntimeWarning)
+    with _cpu_graph_step_quiet(on_gpu):
         report = profile(step, x, model=model, optimizer=opt, stash_manager=manager,
                          warmup=WARMUP, steps=2 if graphed else 1, device=dev)
     if manager is not None:
