@@ -8,7 +8,7 @@ from __future__ import annotations
 from .errors import (BackendUnavailableError, CaptureError, GraphstashError, OffloadError,
                      PoolExhaustedError, ReleasedError, SavedTensorModifiedError,
                      SavedTensorsError, StaleHandleError, StashOverflowError, UpdateAppliedError)
-from . import moe
+from . import memory, moe
 from ._mode import dropless, is_dropless
 from .graph import GraphStep, GraphStepStats, graph_step
 from .offload import ActivationOffloader, HostPool
@@ -65,6 +65,7 @@ __all__ = [
     "is_dropless",
     "mark_not_movable",
     "mark_not_stashable",
+    "memory",
     "moe",
     "new_status",
     "stash_activations",

@@ -1,4 +1,4 @@
-"""The ``graphstash`` command: ``info``, ``demo`` and ``bench``."""
+"""The ``graphstash`` command: ``info``, ``demo``, ``bench`` and ``memory``."""
 from __future__ import annotations
 
 import argparse
@@ -50,6 +50,15 @@ def _bench(args) -> int:
     return bench.main(args)
 
 
+def _memory(args) -> int:
+    from graphstash import memory_command
+
+    try:
+        return memory_command.run(args)
+    except ValueError as exc:           # a bad flag value: say which, as argparse would
+        args.parser.error(str(exc))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphstash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench.add_arguments(p)
     p.set_defaults(func=_bench)
+    p = sub.add_parser("memory", help="where the memory of a training step is: the peak, the "
+                       "blocks alive at it by owner, a timeline (on the CPU: reduced)")
+    from graphstash import memory_command
+
+    memory_command.add_arguments(p)
+    p.set_defaults(func=_memory, parser=p)
     return parser
 
 

@@ -170,7 +170,7 @@ def _device():
 def test_memory_8_layers_budget_twice_live(capsys):
     """The acceptance bound of 0.6. With A the bytes one layer saves at budget size: the plain
     step of a stack of equal layers peaks where it holds all eight layers' saved tensors, at
-    the end of the forward or the start of the backward (tools/memory_peak.py shows it here):
+    the end of the forward or the start of the backward (graphstash.memory.profile shows it here):
     8A + T with T the temporaries there. At that point the stash step holds the same T, a
     pool of at least 1.10 x 7 x A/2 (seven layers' live rows; the eighth layer's backward
     follows its forward) and the last layer's tensors at budget size: 4.85A + T, a ratio of
