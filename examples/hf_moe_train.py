@@ -61,7 +61,7 @@ def main(argv=None) -> int:
 
     @graphstash.graph_step(optimizer=opt, warmup=2, stash=graphstash.StashConfig())
     def train_step(ids):
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         return loss
 

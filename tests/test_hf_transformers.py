@@ -8,6 +8,7 @@ step runs eagerly, with the same over-budget rerun as on the GPU) against eager 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import socket
 import sys
@@ -100,6 +101,28 @@ def test_router_aux_loss_jitter_and_padding_mask_equal_hf(gen):
     assert_rel_close(got.loss, want.loss, "loss")
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
         assert_rel_close(a.grad, b.grad, f"grad of {name}")
+
+
+def _bincount_loss(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+    """Stands for transformers 5.17's load_balancing_loss_func, which counts with bincount."""
+    return torch.bincount(gate_logits[0].argmax(-1), minlength=num_experts)
+
+
+def test_configure_warns_about_a_bincount_aux_loss(gen, monkeypatch):
+    import transformers.models.mixtral.modeling_mixtral as mixtral_module
+
+    model = twin(tiny_model("mixtral", _seed(gen), output_router_logits=True), gst.IMPLEMENTATION)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if "bincount" not in inspect.getsource(mixtral_module.load_balancing_loss_func):
+            gst.configure(model)                   # this transformers counts with histc
+    monkeypatch.setattr(mixtral_module, "load_balancing_loss_func", _bincount_loss)
+    with pytest.warns(RuntimeWarning, match="attention_mask=torch.ones_like"):
+        gst.configure(model)
+    model.config.output_router_logits = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gst.configure(model)
 
 
 def test_router_weights_over_all_experts_equal_top_k_form(gen):

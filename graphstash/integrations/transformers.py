@@ -26,6 +26,16 @@ in ``graphstash/_mode.py``), and with ``stash=True`` the budget-sized activation
 experts call go through the step's stash manager (``graph_step(..., stash=StashConfig())``);
 with no stash manager current the experts run unstashed.
 
+Around the experts (NOTE [capture hazards in HF MoE models]): the router jitter noise
+(Mixtral's ``router_jitter_noise``) draws from the default CUDA generator, which
+:func:`graphstash.graph_step` registers with the graph, so it captures and its dropless rerun
+draws the same noise; padding masks are built without host reads while a stream captures
+(transformers checks for capture itself); the router auxiliary loss
+(``output_router_logits=True``) is capturable when an ``attention_mask`` is passed, and
+without one only on transformers versions that count with ``torch.histc`` (5.17 calls
+``torch.bincount``, which syncs; :func:`configure` warns then). Pass ``use_cache=False`` when
+training (no key/value cache is filled for nothing).
+
 What the backend refuses (``ValueError`` from :func:`configure` or the first forward, naming the
 module): expert biases (``has_bias``, GPT-OSS), transposed expert weights (``is_transposed``),
 interleaved gate/up rows (``is_concatenated=False``), a custom ``_apply_gate`` (GPT-OSS's clamped
@@ -50,6 +60,19 @@ IMPLEMENTATION = "graphstash"
 MIN_VERSION = (5, 17)
 _SETTINGS_ATTR = "_graphstash_experts"
 _INSTALL_HINT = "pip install 'graphstash[hf]' (transformers>=5.17)"
+
+
+# NOTE [capture hazards in HF MoE models]
+# What else in transformers' MoE models could stop a capture, checked on 5.17 and 5.23:
+# - the router auxiliary loss (load_balancing_loss_func, run when output_router_logits is on)
+#   counts each expert's tokens. Without an attention_mask, 5.17 uses torch.bincount, whose
+#   output size depends on the data (a host read: the capture fails); later versions use
+#   torch.histc with fixed bins. With an attention_mask both take scatter_add_, which is fine,
+#   so passing attention_mask=torch.ones_like(input_ids) is the workaround on 5.17;
+# - masks: transformers skips its host-side "is the mask all ones?" shortcut while a CUDA
+#   stream captures (is_tracing() includes stream capture) and builds the mask on the device;
+# - router jitter (Mixtral): uniform_ noise from the default CUDA generator, registered with
+#   the graph by graph_step; the eager rerun restores the generator's offset first.
 
 
 # NOTE [experts budget]
@@ -252,6 +275,7 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
                 f"call graphstash.integrations.transformers.register() and "
                 f"model.set_experts_implementation({IMPLEMENTATION!r}) before configure()")
         _check_supported(module, name, "model")
+    _warn_bincount_aux_loss(model)
     for name, module in modules:
         first = _shard(module, name, group, world, rank) if world > 1 else 0
         if world == 1 and settings_of(module).world_size > 1:
@@ -261,6 +285,30 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
             capacity_factor=float(capacity_factor), stash=stash, group=group, world_size=world,
             first_expert=first, name=name or "experts"))
     return [name for name, _ in modules]
+
+
+def _warn_bincount_aux_loss(model: nn.Module) -> None:
+    """Warn when ``model`` computes its router auxiliary loss with ``torch.bincount`` (NOTE
+    [capture hazards in HF MoE models])."""
+    import inspect
+    import sys
+    import warnings
+
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False):
+        return
+    loss_fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    try:
+        source = inspect.getsource(loss_fn) if loss_fn is not None else ""
+    except (OSError, TypeError):
+        return
+    if "bincount" in source:
+        warnings.warn(
+            f"model: {type(model).__name__} has output_router_logits=True and this transformers "
+            "counts the router auxiliary loss with torch.bincount, which reads the counts back to "
+            "the host and stops a CUDA graph capture unless an attention_mask is passed: call "
+            "the model with attention_mask=torch.ones_like(input_ids) inside graph_step",
+            RuntimeWarning, stacklevel=3)
 
 
 def _expert_gemms_read_tail(permuted: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
