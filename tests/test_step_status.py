@@ -88,3 +88,26 @@ def test_default_status_is_the_running_steps(gen):
         dispatch(x, idx, w, 4, budget=5)                 # 24 rows asked, 5 kept
     assert default_status("cpu") is not mine
     assert int(mine[L.SS_OVER_BUDGET]) == 1 and int(mine[L.SS_TOKENS_PEAK]) == 24
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity_factor,flagged", [(0.4, True), (2.0, False)])
+def test_moe_model_captured_over_budget_reruns_without_wiring(gen, capacity_factor, flagged):
+    """The same on a GPU with the step captured: every replay of the 0.4 budget is flagged
+    through the step's status, skipped on the device and rerun dropless; losses and weights
+    follow eager dropless training (fp32)."""
+    config, model, control = _models(capacity_factor, seed=int(torch.randint(100, (1,),
+                                                                               generator=gen)))
+    model, control = model.cuda(), control.cuda()
+    x = [(tokens(config.num_tokens, config.hidden, gen, offset=40 * i) / config.num_tokens).cuda()
+         for i in range(5)]
+    train_step, losses = _train(model, x)
+    want = _eager_control(control, x)
+    stats = train_step.stats
+    assert stats.captures == 1 and stats.replays == 4, stats
+    assert stats.over_budget == (5 if flagged else 0), stats
+    assert stats.eager_reruns == (5 if flagged else 0), stats
+    for got, ref in zip(losses, want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7)
+    for (name, a), b in zip(model.named_parameters(), control.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-SUITES = ("kernels", "stash", "graph", "moe", "offload")
+SUITES = ("kernels", "stash", "graph", "moe", "offload", "hf")
 
 
 def add_arguments(parser) -> None:
