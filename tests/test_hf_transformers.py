@@ -325,28 +325,19 @@ def _ep_case(rank, device, seed):
             assert_rel_close(a.grad, b.grad, f"grad of {pname}")
 
 
-def _spawn(backend):
+@pytest.mark.parametrize("backend", [pytest.param("gloo", marks=pytest.mark.slow),
+                                     pytest.param("nccl", marks=pytest.mark.multigpu)])
+def test_expert_parallel_equals_one_device(backend):
+    """gloo: the eager case on the CPU; nccl (two GPUs): also captured and replayed
+    (``ep_capture_case`` in test_hf_transformers_gpu.py)."""
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
+    available = dist.is_available() and (dist.is_gloo_available() if backend == "gloo"
+                                          else dist.is_nccl_available())
+    if not available:
+        pytest.skip(f"needs torch.distributed with {backend}")
     mp.spawn(_ep_worker, args=(_free_port(), backend, 5), nprocs=WORLD, join=True)
-
-
-@pytest.mark.slow
-def test_expert_parallel_gloo_equals_one_device():
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("needs torch.distributed with gloo")
-    _spawn("gloo")
-
-
-@pytest.mark.multigpu
-def test_expert_parallel_nccl_equals_one_device_and_replays():
-    import torch.distributed as dist
-
-    if not dist.is_nccl_available():
-        pytest.skip("needs torch.distributed with NCCL")
-    _spawn("nccl")
 
 
 # ------------------------------------------------------------------------------------------
