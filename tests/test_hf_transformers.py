@@ -11,6 +11,7 @@ import importlib.util
 import inspect
 import os
 import socket
+import subprocess
 import sys
 import warnings
 
@@ -207,6 +208,20 @@ def test_register_without_transformers_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(BackendUnavailableError, match=r"transformers.*graphstash\[hf\]"):
         gst.register()
+
+
+def test_package_imports_without_transformers():
+    """In a fresh interpreter where ``import transformers`` fails: graphstash and the
+    integration module import; register() says what to install."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import graphstash, graphstash.integrations.transformers as gst\n"
+            "try:\n    gst.register()\nexcept graphstash.BackendUnavailableError as e:\n"
+            "    print('refused:', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "refused: graphstash.integrations.transformers needs transformers" in proc.stdout
 
 
 def test_register_with_transformers_older_than_5_17_is_refused(monkeypatch):
