@@ -144,6 +144,7 @@ def _run(c: HFBenchConfig, run: str, device, data: list) -> dict:
         "peak_bytes": torch.cuda.max_memory_allocated(device) - base,
         "state_bytes": _state_bytes(model),
     }
+    result["peak_mib"] = result["peak_bytes"] / 2**20
     if graphed and error is None:
         st = step.stats
         result.update(replays=st.replays, captures=st.captures, reruns=st.eager_reruns,
@@ -186,5 +187,7 @@ def run(quick: bool = False) -> dict:
                     f"{c.steps} steps ({gpu_name()})",
                     ["run", "capture", "step ms", "speed-up", "peak GiB", "act. peak GiB",
                      "max rel loss diff", "reruns"], rows)
-        results[name] = {"config": dataclasses.asdict(c), "runs": runs}
+        for res in runs.values():
+            res["config"] = dataclasses.asdict(c)
+        results[name] = runs        # {model: {run: {"step_ms", "peak_mib", ...}}}, as bench moe
     return results

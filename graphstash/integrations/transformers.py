@@ -59,11 +59,13 @@ __all__ = ["IMPLEMENTATION", "ExpertsSettings", "configure", "experts_forward",
 IMPLEMENTATION = "graphstash"
 MIN_VERSION = (5, 17)
 _SETTINGS_ATTR = "_graphstash_experts"
+_CHECKED_ATTR = "_graphstash_supported"
 _INSTALL_HINT = "pip install 'graphstash[hf]' (transformers>=5.17)"
 
 
 # NOTE [capture hazards in HF MoE models]
-# What else in transformers' MoE models could stop a capture, checked on 5.17 and 5.23:
+# What else in transformers' MoE models could stop a capture (read in the sources of 5.17 and
+# 5.23; the GPU tests capture each case):
 # - the router auxiliary loss (load_balancing_loss_func, run when output_router_logits is on)
 #   counts each expert's tokens. Without an attention_mask, 5.17 uses torch.bincount, whose
 #   output size depends on the data (a host read: the capture fails); later versions use
@@ -182,12 +184,15 @@ def _unsupported(module: nn.Module) -> str | None:
 
 
 def _check_supported(module: nn.Module, name: str, argument: str) -> None:
+    if module.__dict__.get(_CHECKED_ATTR, False):
+        return
     why = _unsupported(module)
     if why is not None:
         raise ValueError(
             f"{argument}: the graphstash experts backend does not support {why} of "
             f"{type(module).__name__} at {name!r}; keep experts_implementation='grouped_mm' "
             "for this model")
+    module.__dict__[_CHECKED_ATTR] = True        # the forward checks once per module
 
 
 def _first_weight_name(module: nn.Module) -> str:
