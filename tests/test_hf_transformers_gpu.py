@@ -26,12 +26,17 @@ STEPS, WARMUP = 6, 2
 BF16_RTOL = 1e-2
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _registered():
+    gst.register()
+
+
 def _seed(gen) -> int:
     return int(torch.randint(1 << 20, (1,), generator=gen))
 
 
-def _batches(gen, n=STEPS, **kwargs):
-    return [batch(gen, batch_size=4, seq_len=64, device="cuda", **kwargs) for _ in range(n)]
+def _batches(gen, n=STEPS, batch_size=4, seq_len=64):
+    return [batch(gen, batch_size=batch_size, seq_len=seq_len, device="cuda") for _ in range(n)]
 
 
 def _eager_hf(model, data, lr, call_kwargs):
@@ -73,9 +78,10 @@ def test_captured_training_matches_hf_grouped_mm(gen, name, case):
     ref = tiny_model(name, _seed(gen), dtype=torch.bfloat16, device="cuda")
     ours = twin(ref, gst.IMPLEMENTATION)
     gst.configure(ours, capacity_factor=0.5 if case == "over_budget" else 1.25)
-    data = _batches(gen)
-    extra = {"stash": graphstash.StashConfig(min_tensor_bytes=0, page_size=16)} \
-        if case == "stash" else {}
+    # stash: 1024 tokens, so the experts' budget-sized tensors (2048 rows) pass the stash's
+    # 64 KiB minimum
+    data = _batches(gen, batch_size=8, seq_len=128) if case == "stash" else _batches(gen)
+    extra = {"stash": graphstash.StashConfig(page_size=16)} if case == "stash" else {}
     train_step, losses = _graphed(ours, data, 1e-3, _no_kwargs, **extra)
     want = _eager_hf(ref, data, 1e-3, _no_kwargs)
     _check_losses(losses, want)
