@@ -145,6 +145,42 @@ def test_router_weights_over_all_experts_equal_top_k_form(gen):
         gst.experts_forward(experts, x, idx, dense[:, :5])
 
 
+def test_plain_experts_without_gate_equal_hf(gen):
+    """An experts class with ``has_gate=False`` (``up_proj``, SiLU, no gate): the plain expert
+    MLP, against HF's grouped_mm backend on the same module (outputs and every gradient)."""
+    from transformers import PretrainedConfig
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation(has_gate=False)
+    class PlainExperts(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = config.num_experts
+            self.up_proj = torch.nn.Parameter(torch.randn(8, 24, 32, generator=gen) / 6)
+            self.down_proj = torch.nn.Parameter(torch.randn(8, 32, 24, generator=gen) / 5)
+            self.act_fn = torch.nn.SiLU()
+
+    results = []
+    up, down = None, None
+    x = torch.randn(30, 32, generator=gen)
+    idx = torch.rand(30, 8, generator=gen).topk(2, dim=1).indices
+    w = torch.rand(30, 2, generator=gen)
+    for implementation in ("grouped_mm", gst.IMPLEMENTATION):
+        config = PretrainedConfig(num_experts=8)
+        config._experts_implementation = implementation
+        experts = PlainExperts(config)
+        if up is None:
+            up, down = experts.up_proj.detach().clone(), experts.down_proj.detach().clone()
+        with torch.no_grad():
+            experts.up_proj.copy_(up), experts.down_proj.copy_(down)
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = experts(xi, idx, wi)
+        out.backward(torch.cos(out.detach()))
+        results.append((out, xi.grad, wi.grad, experts.up_proj.grad, experts.down_proj.grad))
+    for name, got, want in zip(("out", "x", "weights", "up_proj", "down_proj"), *results[::-1]):
+        assert_rel_close(got, want, f"plain experts: {name}")
+
+
 # ------------------------------------------------------------------------------------------
 # training under graph_step
 # ------------------------------------------------------------------------------------------
