@@ -64,8 +64,18 @@ def tiny_model(name: str, seed: int, dtype=torch.float32, device="cpu", **overri
     return model.to(device=device, dtype=dtype)
 
 
+def seed_of(gen: torch.Generator) -> int:
+    """A fresh seed drawn from the test's generator."""
+    return int(torch.randint(1 << 20, (1,), generator=gen))
+
+
 def twin(model, implementation: str):
-    """A deep copy of ``model`` running its experts through ``implementation``."""
+    """A deep copy of ``model`` running its experts through ``implementation`` (registering
+    the "graphstash" backend first when that is the one)."""
+    import graphstash.integrations.transformers as gst
+
+    if implementation == gst.IMPLEMENTATION:
+        gst.register()
     other = copy.deepcopy(model)
     other.set_experts_implementation(implementation)
     return other

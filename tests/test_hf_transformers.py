@@ -24,7 +24,7 @@ import graphstash                                          # noqa: E402
 import graphstash.integrations.transformers as gst         # noqa: E402
 from graphstash import BackendUnavailableError             # noqa: E402
 
-from _hf_models import VOCAB, batch, tiny_model, twin   # noqa: E402
+from _hf_models import VOCAB, batch, seed_of, tiny_model, twin   # noqa: E402
 
 MODELS = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3"]
 EXTRA_MODELS = ("qwen2_moe", "deepseek_v3")      # beyond the three of the issue: slow only
@@ -34,10 +34,6 @@ RTOL = 1e-5
 @pytest.fixture(autouse=True, scope="module")
 def _registered():
     gst.register()
-
-
-def _seed(gen) -> int:
-    return int(torch.randint(1 << 20, (1,), generator=gen))
 
 
 def _graphstash_twin(model, **settings):
@@ -78,7 +74,7 @@ def _compare(ours, ref, ids, **kwargs):
     pytest.param(name, "grouped_mm", marks=[pytest.mark.slow] if name in EXTRA_MODELS else [])
     for name in MODELS] + [("qwen3_moe", "eager")])
 def test_logits_loss_and_gradients_equal_hf(gen, name, reference):
-    ref = tiny_model(name, _seed(gen))
+    ref = tiny_model(name, seed_of(gen))
     ref.set_experts_implementation(reference)
     ours = _graphstash_twin(ref)
     _compare(ours, ref, batch(gen))
@@ -88,14 +84,14 @@ def test_logits_loss_and_gradients_equal_hf(gen, name, reference):
 def test_router_aux_loss_jitter_and_padding_mask_equal_hf(gen):
     """Mixtral with router jitter (training mode, same seed), the load-balancing auxiliary loss
     in the loss, and a padding mask: all of it around the experts, equal to HF's backend."""
-    ref = tiny_model("mixtral", _seed(gen), router_jitter_noise=0.1, output_router_logits=True,
+    ref = tiny_model("mixtral", seed_of(gen), router_jitter_noise=0.1, output_router_logits=True,
                      router_aux_loss_coef=0.5)
     ref.train()
     ours = _graphstash_twin(ref)
     ids = batch(gen)
     mask = torch.ones_like(ids)
     mask[0, :5] = 0                                          # left padding in the first row
-    seed = _seed(gen)
+    seed = seed_of(gen)
     torch.manual_seed(seed)
     got = _forward_backward(ours, ids, attention_mask=mask)
     torch.manual_seed(seed)
@@ -115,7 +111,7 @@ def _bincount_loss(gate_logits, num_experts=None, top_k=2, attention_mask=None):
 def test_configure_warns_about_a_bincount_aux_loss(gen, monkeypatch):
     import transformers.models.mixtral.modeling_mixtral as mixtral_module
 
-    model = twin(tiny_model("mixtral", _seed(gen), output_router_logits=True), gst.IMPLEMENTATION)
+    model = twin(tiny_model("mixtral", seed_of(gen), output_router_logits=True), gst.IMPLEMENTATION)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         if "bincount" not in inspect.getsource(mixtral_module.load_balancing_loss_func):
@@ -131,7 +127,7 @@ def test_configure_warns_about_a_bincount_aux_loss(gen, monkeypatch):
 
 def test_router_weights_over_all_experts_equal_top_k_form(gen):
     """Both router-weight forms HF passes: ``[T, K]`` and ``[T, num_experts]``."""
-    model = _graphstash_twin(tiny_model("qwen3_moe", _seed(gen)))
+    model = _graphstash_twin(tiny_model("qwen3_moe", seed_of(gen)))
     experts = model.model.layers[0].mlp.experts
     T, E, K = 20, experts.num_experts, 2
     x = torch.randn(T, 32, generator=gen)
@@ -221,7 +217,7 @@ def test_graph_step_training_equals_hf(gen, name, capacity_factor, stash):
     eager HF ``grouped_mm`` training. At capacity 0.5 every step is over budget: the step's
     status gets the flag with no wiring, the step reruns dropless and updates once, and the
     result is the same."""
-    ref = tiny_model(name, _seed(gen))
+    ref = tiny_model(name, seed_of(gen))
     ours = _graphstash_twin(ref, capacity_factor=capacity_factor, stash=stash)
     batches = [batch(gen) for _ in range(2)]
     # tiny tensors: stash every saved tensor, in pages of 8 rows
@@ -279,14 +275,14 @@ def test_configure_model_without_experts_module():
 
 
 def test_configure_before_set_experts_implementation(gen):
-    model = tiny_model("qwen3_moe", _seed(gen))
+    model = tiny_model("qwen3_moe", seed_of(gen))
     with pytest.raises(ValueError, match=r"experts_implementation='grouped_mm'.*"
                                          r"set_experts_implementation\('graphstash'\) before"):
         gst.configure(model)
 
 
 def test_configure_bad_arguments(gen):
-    model = twin(tiny_model("qwen3_moe", _seed(gen)), gst.IMPLEMENTATION)
+    model = twin(tiny_model("qwen3_moe", seed_of(gen)), gst.IMPLEMENTATION)
     with pytest.raises(ValueError, match="capacity_factor: expected a finite float > 0, got 0"):
         gst.configure(model, capacity_factor=0)
     with pytest.raises(TypeError, match="stash: expected a bool, got str"):
@@ -306,13 +302,14 @@ def test_unsupported_experts_are_refused(gen):
                              layer_types=["full_attention"])
     gpt_oss = tf.AutoModelForCausalLM.from_config(config, experts_implementation="grouped_mm")
     gpt_oss.set_experts_implementation(gst.IMPLEMENTATION)
-    with pytest.raises(ValueError, match=r"model: .*does not support expert biases \(has_bias=True\)"
+    with pytest.raises(ValueError, match=r"model: .*does not support expert biases "
+                                         r"\(has_bias=True\)"
                                          r" of GptOssExperts at 'model.layers.0.mlp.experts'"):
         gst.configure(gpt_oss)
     ids = batch(gen, seq_len=8)
     with pytest.raises(ValueError, match="self: .*does not support expert biases"):
         gpt_oss(input_ids=ids)
-    gelu = twin(tiny_model("qwen3_moe", _seed(gen), hidden_act="gelu"), gst.IMPLEMENTATION)
+    gelu = twin(tiny_model("qwen3_moe", seed_of(gen), hidden_act="gelu"), gst.IMPLEMENTATION)
     with pytest.raises(ValueError, match="does not support the activation GELUActivation"):
         gst.configure(gelu)
 

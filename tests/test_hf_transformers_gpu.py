@@ -19,20 +19,11 @@ pytest.importorskip("transformers", reason="needs transformers (the hf / dev ext
 import graphstash                                          # noqa: E402
 import graphstash.integrations.transformers as gst         # noqa: E402
 
-from _hf_models import batch, tiny_model, twin             # noqa: E402
+from _hf_models import batch, seed_of, tiny_model, twin    # noqa: E402
 
 pytestmark = pytest.mark.gpu
 STEPS, WARMUP = 6, 2
 BF16_RTOL = 1e-2
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _registered():
-    gst.register()
-
-
-def _seed(gen) -> int:
-    return int(torch.randint(1 << 20, (1,), generator=gen))
 
 
 def _batches(gen, n=STEPS, batch_size=4, seq_len=64):
@@ -75,7 +66,7 @@ def _check_losses(got, want):
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("case", ["budget", "over_budget", "stash"])
 def test_captured_training_matches_hf_grouped_mm(gen, name, case):
-    ref = tiny_model(name, _seed(gen), dtype=torch.bfloat16, device="cuda")
+    ref = tiny_model(name, seed_of(gen), dtype=torch.bfloat16, device="cuda")
     ours = twin(ref, gst.IMPLEMENTATION)
     gst.configure(ours, capacity_factor=0.5 if case == "over_budget" else 1.25)
     # stash: 1024 tokens, so the experts' budget-sized tensors (2048 rows) pass the stash's
@@ -100,7 +91,7 @@ def test_router_jitter_aux_loss_and_mask_capture(gen):
     """Mixtral in training mode with router jitter and the load-balancing loss; the all-ones
     attention mask keeps transformers 5.17's auxiliary loss off torch.bincount (NOTE [capture
     hazards in HF MoE models])."""
-    ref = tiny_model("mixtral", _seed(gen), dtype=torch.bfloat16, device="cuda",
+    ref = tiny_model("mixtral", seed_of(gen), dtype=torch.bfloat16, device="cuda",
                      router_jitter_noise=0.01, output_router_logits=True,
                      router_aux_loss_coef=0.1)
     ours = twin(ref, gst.IMPLEMENTATION)
@@ -112,7 +103,7 @@ def test_router_jitter_aux_loss_and_mask_capture(gen):
     def with_mask(ids):
         return {"attention_mask": torch.ones_like(ids)}
 
-    torch.manual_seed(_seed(gen))
+    torch.manual_seed(seed_of(gen))
     train_step, losses = _graphed(ours, data, 1e-3, with_mask)
     want = _eager_hf(ref, data, 1e-3, with_mask)
     _check_losses(losses, want)

@@ -11,7 +11,7 @@ back to the host and the whole training step can be captured by :func:`graphstas
     import graphstash.integrations.transformers as gst
 
     gst.register()                                   # adds "graphstash" to the ExpertsInterface
-    model.set_experts_implementation("graphstash")   # or experts_implementation="graphstash" at load
+    model.set_experts_implementation("graphstash")   # or experts_implementation= at load
     gst.configure(model, capacity_factor=1.25, stash=True, group=None)   # optional; the defaults
 
 Budgets (NOTE [experts budget]): on one GPU the dispatch buffer holds ``T * top_k`` rows, every
