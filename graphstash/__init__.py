@@ -6,7 +6,7 @@ in :func:`warmup`.
 from __future__ import annotations
 
 from .errors import (BackendUnavailableError, CaptureError, GraphstashError, PoolExhaustedError,
-                     ReleasedError, StaleHandleError)
+                     ReleasedError, StaleHandleError, UpdateAppliedError)
 from . import moe
 from ._mode import dropless, is_dropless
 from .graph import GraphStep, GraphStepStats, graph_step
@@ -52,6 +52,7 @@ __all__ = [
     "StashConfig",
     "StashManager",
     "TensorSwapper",
+    "UpdateAppliedError",
     "current_manager",
     "default_swapper",
     "dropless",

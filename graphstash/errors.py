@@ -27,3 +27,8 @@ class StaleHandleError(GraphstashError):
 
 class ReleasedError(GraphstashError):
     """An object used after ``release()`` and before ``reallocate()`` / ``reset()``."""
+
+
+class UpdateAppliedError(GraphstashError):
+    """A call failed after its step's optimizer update was applied: the step is counted in
+    ``stats.steps`` and its batch must not be run again (that would apply it twice)."""

@@ -148,10 +148,16 @@ class PagedTensor:
         """The handle's device record read back to the host (syncs; for diagnostics and tests).
 
         Returns ``{"valid", "num_pages", "device_pages", "host_pages", "counts", "page_ids"}``;
-        ``valid`` is 1 when stored, 0 when the stash overflowed, -1 once reloaded.
+        ``valid`` is 1 when stored, 0 when the stash overflowed, -1 once reloaded (then the
+        page counts are 0 and the lists empty: the slot may hold another handle's record now).
+        Raises StaleHandleError for a handle stashed before the buffer's last reset.
         """
         forbid_capture("PagedTensor.record()")
         self._buffer._require_live("PagedTensor.record")
+        if self._reloaded:       # NOTE [record slots]: its slot was freed at the reload
+            return {"valid": -1, "num_pages": 0, "device_pages": 0, "host_pages": 0,
+                    "counts": [], "page_ids": []}
+        self._require_current()
         rec = self._buffer._pool.table[self._offset: self._offset + self._length].tolist()
         S = self.num_segments
         pages = rec[L.H_PAGES] if rec[L.H_VALID] != 0 else 0
@@ -163,6 +169,13 @@ class PagedTensor:
             "counts": rec[L.H_COUNTS: L.H_COUNTS + S],
             "page_ids": rec[L.H_HEADER + S: L.H_HEADER + S + pages],
         }
+
+    def _require_current(self) -> None:
+        """StaleHandleError if the handle predates its buffer's last reset/release/reallocate."""
+        if self._generation != self._buffer._generation:
+            raise StaleHandleError("handle: it was stashed before this buffer's last reset(), "
+                                   "release() or reallocate(); its pages and record slot were "
+                                   "returned then")
 
     def __repr__(self) -> str:
         state = "reloaded" if self._reloaded else "stashed"
@@ -476,13 +489,17 @@ class PagedStashBuffer:
                 f"PagedStashBuffer.stash: the handle-record table ({self._slots.capacity} "
                 f"entries, {self._slots.free_entries} free) cannot hold {length} more; reload "
                 "or reset() outstanding handles, or pass a larger record_entries")
-        self._order_before(capturing)
-        if self._backend == "cupy":
-            _cupy_paged.paged_stash(self._pool, x.data_ptr(), S, cap, self._row_bytes, counts,
-                                    offset, self._device.index, max_blocks)
-        else:
-            src = x.view(torch.uint8).view(S, cap, self._row_bytes)
-            _reference.stash(self._pool, src, counts, offset)
+        try:
+            self._order_before(capturing)
+            if self._backend == "cupy":
+                _cupy_paged.paged_stash(self._pool, x.data_ptr(), S, cap, self._row_bytes, counts,
+                                        offset, self._device.index, max_blocks)
+            else:
+                src = _dense(x).view(torch.uint8).view(S, cap, self._row_bytes)
+                _reference.stash(self._pool, src, counts, offset)
+        except BaseException:
+            self._slots.free(offset, length)     # no handle holds the slot: give it back
+            raise
         self._order_after(capturing)
         handle = PagedTensor(self, offset, length, x.shape, S, cap, self._generation)
         handle._finalizer = weakref.finalize(handle, self._release_slot, offset, length,
@@ -511,9 +528,7 @@ class PagedStashBuffer:
             raise ValueError("handle: it belongs to another PagedStashBuffer")
         if handle._reloaded:
             raise StaleHandleError("handle: it was already reloaded; each stash reloads once")
-        if handle._generation != self._generation:
-            raise StaleHandleError("handle: it was stashed before this buffer's last reset(), "
-                                   "release() or reallocate(); its pages were returned then")
+        handle._require_current()
         if not isinstance(zero_tail, bool):
             raise TypeError(f"zero_tail: expected a bool, got {type(zero_tail).__name__}")
         _check_max_blocks(max_blocks)
@@ -528,8 +543,8 @@ class PagedStashBuffer:
                                      handle.rows_per_segment, self._row_bytes, handle._offset,
                                      zero_tail, self._device.index, max_blocks)
         else:
-            dst = out.view(torch.uint8).view(handle.num_segments, handle.rows_per_segment,
-                                             self._row_bytes)
+            dst = _dense(out).view(torch.uint8).view(handle.num_segments,
+                                                     handle.rows_per_segment, self._row_bytes)
             _reference.reload(self._pool, dst, handle._offset, zero_tail)
         self._order_after(capturing)
         handle._reloaded = True
@@ -611,6 +626,21 @@ class PagedStashBuffer:
         return (f"PagedStashBuffer(max_tokens={self._max_tokens}, hidden_size={self._hidden_size}, "
                 f"dtype={self._dtype}, device={self._device}, page_size={self._page_size}, "
                 f"host_tokens={self._host_tokens}, backend={self._backend!r}, {state})")
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``t`` as a view with the row-major strides of its shape (no copy).
+
+    ``is_contiguous()`` ignores the strides of size-1 dimensions, so a ``[rows, 1]`` tensor of
+    strides ``(1, rows)`` passes the checks and has the same bytes as a row-major one, but
+    ``Tensor.view(dtype)`` refuses its last stride.
+    """
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    strides = tuple(reversed(strides))
+    return t if t.stride() == strides else t.as_strided(t.shape, strides)
 
 
 def _normalize_device(device) -> torch.device:

@@ -6,58 +6,16 @@
 // kernels only move and reduce rows, so every launch has a static shape and never reads
 // anything back to the host.
 //
-// NOTE [exact arithmetic]: the weighted sums use __fmul_rn / __fadd_rn (no FMA contraction),
-// accumulate in float (double for float64 data), slot by slot in k order, and round once to
-// the output dtype with round-to-nearest-even. graphstash/reference/moe.py performs the same
-// operations in the same order, so GPU and reference results agree bit for bit.
+// The weighted sums follow NOTE [exact arithmetic] (gs_dtype.cuh), slot by slot in k order;
+// graphstash/reference/moe.py performs the same operations in the same order, so GPU and
+// reference results agree bit for bit.
 #ifndef GS_THREADS
 #define GS_THREADS 256          // threads per block
 #endif
 
 #define GS_WARPS (GS_THREADS / 32)
 
-// ---- dtype traits: storage type, accumulator, conversions --------------------------------
-struct Bf16 { unsigned short bits; };
-struct F16 { unsigned short bits; };
-
-__device__ __forceinline__ float to_acc(Bf16 v) {
-    return __uint_as_float(static_cast<unsigned int>(v.bits) << 16);
-}
-__device__ __forceinline__ float to_acc(F16 v) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
-    return f;
-}
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ double to_acc(double v) { return v; }
-
-template <typename T> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
-
-template <typename T> __device__ __forceinline__ T from_acc(typename Acc<T>::type v);
-template <> __device__ __forceinline__ Bf16 from_acc<Bf16>(float f) {
-    unsigned int u = __float_as_uint(f);
-    Bf16 r;
-    if ((u & 0x7fffffffu) > 0x7f800000u) { r.bits = 0x7fc0; return r; }   // NaN
-    u += 0x7fffu + ((u >> 16) & 1u);                                       // round to nearest even
-    r.bits = static_cast<unsigned short>(u >> 16);
-    return r;
-}
-template <> __device__ __forceinline__ F16 from_acc<F16>(float f) {
-    F16 r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
-    return r;
-}
-template <> __device__ __forceinline__ float from_acc<float>(float f) { return f; }
-template <> __device__ __forceinline__ double from_acc<double>(double f) { return f; }
-
-__device__ __forceinline__ float acc_mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ float acc_add(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double acc_mul(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ double acc_add(double a, double b) { return __dadd_rn(a, b); }
-
-// N elements loaded and stored together (16 bytes when the row and pointers allow it).
-template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
+#include "gs_dtype.cuh"
 
 // ---------------------------------------------------------------------------------------
 // gs_moe_gather_v<W>: dst[i] = index[i] >= 0 ? src[index[i]] : 0, a bitwise row copy.

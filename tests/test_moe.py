@@ -277,6 +277,38 @@ def test_expert_mlp_keeps_input_and_pre_activation_only(gen):
     assert sorted(kept) == sorted([(R, H), (R, F), (R,)])
 
 
+def test_regathered_input_is_not_kept(gen):
+    """NOTE [regathered input]: given the dispatch handle, the [budget, hidden] permuted input
+    is not among the saved tensors (the [T, hidden] tokens are), and the gradients match."""
+    T, H, F, E, K = 24, 8, 12, 3, 2
+    x = tokens(T, H, gen).requires_grad_()
+    idx, w = routing(T, K, E, gen)
+    w1 = (torch.rand(E, 2 * F, H, generator=gen) - 0.5).requires_grad_()
+    w2 = (torch.rand(E, H, F, generator=gen) - 0.5).requires_grad_()
+    budget = budget_rows(T, K, E, capacity_factor=2.0)
+    grads, kept = [], []
+    for regather in (False, True):
+        shapes = []
+
+        def pack(t):
+            shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            permuted, counts, handle = dispatch(x, idx, w, E, budget=budget, status=_status())
+            y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), gated=True,
+                           impl="loop", handle=handle if regather else None)
+            out = combine(y, handle, weighted=False)
+        grads.append(torch.autograd.grad(out.pow(2).sum(), (x, w1, w2)))
+        kept.append(shapes)
+    assert (budget, H) in kept[0] and (budget, H) not in kept[1] and (T, H) in kept[1]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    permuted, counts, handle = dispatch(x, idx, w, E, budget=budget, status=_status())
+    with pytest.raises(ValueError, match="handle"):
+        expert_mlp(permuted[:-1], w1, w2, counts, gated=True, handle=handle)
+
+
 def test_expert_mlp_bad_input_names_the_argument(gen):
     x = tokens(8, 4, gen)
     w1, w2 = torch.rand(2, 6, 4), torch.rand(2, 4, 6)
@@ -312,13 +344,17 @@ def test_scaled_rows_and_unweighted_combine_match_dense_fp64(gen, pad):
     w2 = (torch.rand(E, H, F, generator=gen, dtype=torch.float64) - 0.5).requires_grad_()
     budget = budget_rows(T, K, E, capacity_factor=1.0, pad_multiple=pad)
 
-    def ours(x, w, w1, w2):
+    def ours(x, w, w1, w2, regather=False):
         permuted, counts, handle = dispatch(x, idx, w, E, budget=budget, pad_multiple=pad,
                                            status=_status())
-        y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), impl="loop")
+        y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), impl="loop",
+                       handle=handle if regather else None)
         return combine(y, handle, weighted=False)
 
     assert torch.autograd.gradcheck(ours, (x, w, w1, w2))
+    # NOTE [regathered input]: the same function and gradients with the permuted input
+    # gathered again in backward instead of kept
+    assert torch.autograd.gradcheck(lambda *a: ours(*a, regather=True), (x, w, w1, w2))
 
     def mlp(e, rows):
         return torch.nn.functional.silu(rows @ w1[e].t()) @ w2[e].t()
@@ -441,3 +477,22 @@ def test_cli_demo_modes_on_cpu(capsys):
     assert "eager + budget + stash" in capsys.readouterr().out
     assert cli.main(["demo", "--device", "cpu", "--steps", "2", "--mode", "paging"]) == 0
     assert "rows checked byte for byte" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_plain_peer_matches_dropless(gen, gated):
+    """The peer (plain PyTorch: sort, histc, grouped GEMM over T*K rows, index_add_) computes
+    the same layer as graphstash's dropless dispatch: outputs and every gradient."""
+    config = MoEConfig(hidden=16, ffn=24, num_experts=4, topk=2, layers=2, num_tokens=40,
+                       gated=gated)
+    x = tokens(40, 16, gen)
+    out, grads = {}, {}
+    for mode in ("plain", "dropless"):
+        model = MoEModel(config, mode=mode, seed=7)
+        xi = x.clone().requires_grad_()
+        out[mode] = model(xi)
+        out[mode].pow(2).mean().backward()
+        grads[mode] = [xi.grad] + [p.grad for p in model.parameters()]
+    torch.testing.assert_close(out["plain"], out["dropless"], rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads["plain"], grads["dropless"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -105,6 +105,34 @@ def _over_budget_case(rank, device, dtype, group):
     assert rank != 0 or int(status[L.SS_OVER_BUDGET]) == 1
 
 
+def _plain_case(rank, device, dtype, group, tol):
+    """The peer (graphstash.models.plain): all_to_all_single with split sizes read back, each
+    rank holding half of the gated experts, equals the one-device peer with all of them."""
+    from graphstash.models.plain import plain_moe
+
+    gen = torch.Generator().manual_seed(41)
+    F = 12
+    w1 = ((torch.rand(E, 2 * F, H, generator=gen, dtype=torch.float64) - 0.5) / 4).to(device, dtype)
+    w2 = ((torch.rand(E, H, F, generator=gen, dtype=torch.float64) - 0.5) / 4).to(device, dtype)
+    E_l = E // WORLD
+    local = [w[rank * E_l:(rank + 1) * E_l].clone().requires_grad_() for w in (w1, w2)]
+    full = [w.clone().requires_grad_() for w in (w1, w2)]
+    x, idx, w, grad = _data(43, rank, device, dtype)
+    x.requires_grad_()
+    out = plain_moe(x, idx, w, *local, E, gated=True, group=group)
+    (out * grad).sum().backward()
+    for r in range(WORLD):                       # the one-device reference sees both ranks
+        xr, idxr, wr, gr = _data(43, r, device, dtype)
+        xr.requires_grad_()
+        ref = plain_moe(xr, idxr, wr, *full, E, gated=True)
+        (ref * gr).sum().backward()
+        if r == rank:
+            torch.testing.assert_close(out.detach(), ref.detach(), **tol)
+            torch.testing.assert_close(x.grad, xr.grad, **tol)
+    for mine, ref in zip(local, full):
+        torch.testing.assert_close(mine.grad, ref.grad[rank * E_l:(rank + 1) * E_l], **tol)
+
+
 def _bad_input_case(device, dtype, group):
     x, idx, w, _ = _data(1, 0, device, dtype)
     with pytest.raises(ValueError, match="num_experts: expected a multiple of the group size 2"):
@@ -128,6 +156,7 @@ def _worker(rank, port, backend, results_dir):
         _eager_case(rank, device, torch.float32, group, None, None, tol, seed=12)  # dropless
         _eager_case(rank, device, torch.float32, group, budget, 4, tol, seed=13, scaled=True)
         _over_budget_case(rank, device, torch.float32, group)
+        _plain_case(rank, device, torch.float32, group, tol)
         _bad_input_case(device, torch.float32, group)
         if on_gpu:
             _graph_case(rank, device, group, tol)

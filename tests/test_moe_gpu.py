@@ -228,8 +228,9 @@ def test_capture_and_replay_with_changing_routing(gen):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_grouped_mm_captured_matches_loop(gen, dtype):
-    """bf16 on sm90/sm100: torch._grouped_mm inside the graph; float32: the masked fallback
-    (torch._grouped_mm's float32 path reads the offsets back and cannot be captured)."""
+    """bf16 on sm90/sm100: torch._grouped_mm inside the graph; float32: the Triton grouped GEMM
+    where Triton is installed, else the masked fallback (torch._grouped_mm's float32 path reads
+    the offsets back and cannot be captured)."""
     from graphstash.moe import experts
 
     R, H, N, E = 96, 64, 48, 4
@@ -276,8 +277,9 @@ def test_grouped_mm_captured_matches_loop(gen, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_model_graph_step_matches_eager(gen, dtype):
-    """bf16 (what the benchmark and the demo measure) and float32 (the capturable fallback
-    of grouped_mm): a captured budget step against an eager dropless control."""
+    """bf16 (what the benchmark and the demo measure) and float32 (grouped_mm's Triton kernel
+    or, without Triton, its masked fallback): a captured budget step against an eager dropless
+    control."""
     config = MoEConfig(hidden=128, ffn=256, num_experts=8, topk=2, layers=3, num_tokens=512,
                        capacity_factor=2.0, pad_multiple=8)
     status = _status("cuda")
@@ -334,15 +336,16 @@ def _poison_free_memory(mib: int = 256):
 def test_model_stash_mode_gradients_equal_budget_mode(gen, dtype):
     """Stash mode against budget mode, bitwise: eagerly and replayed from a CUDA graph. bf16
     runs the native grouped GEMM under capture, so its reloads skip the zero fill (NOTE
-    [expert rows past the count] in models/moe.py); float32 captures the masked fallback, which
-    needs it. Free memory is poisoned with NaN before every step."""
+    [expert rows past the count] in models/moe.py); float32 captures the Triton grouped GEMM
+    (no zero fill either) or, without Triton, the masked fallback, which needs it. Free memory
+    is poisoned with NaN before every step."""
     from graphstash.stash import StashConfig, StashManager
 
     config = MoEConfig(hidden=256, ffn=512, num_experts=8, topk=2, layers=4, num_tokens=2048,
                        capacity_factor=2.0, pad_multiple=8)
     status = _status("cuda")
-    # Default min_tensor_bytes: the float32 capture's masked fallback saves [rows, 1] masks
-    # that the eager warmup (per-expert loop) never made; they are too small to stash.
+    # Default min_tensor_bytes: the float32 capture's masked fallback (without Triton) saves
+    # [rows, 1] masks that the eager warmup (per-expert loop) never made; too small to stash.
     manager = StashManager(StashConfig(copy_blocks=3), device="cuda", status=status)
     models = {"budget": MoEModel(config, mode="budget", status=status, seed=3),
               "stash": MoEModel(config, mode="stash", stash_manager=manager, status=status,

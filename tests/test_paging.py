@@ -352,3 +352,63 @@ def test_reload_rejects_bad_handle_and_out():
     # nothing above consumed the handle or its pages
     check_reloaded(buf.reload(h), x, [8])
     assert buf.read_status()["pages_in_use"] == 0
+
+
+# ---- records of consumed handles, odd strides (issue: misuse is never silent) ----------------
+def test_record_of_a_reloaded_handle_is_not_another_handles_record():
+    """A reload frees the handle's record slot; the next stash reuses it. The reloaded
+    handle's record must say -1, not show the new handle's record as its own."""
+    buf = make_buffer(device_pages=8)
+    x = pattern((12, H), torch.float32, salt=31)
+    first = buf.stash(x, counts(12))
+    buf.reload(first)
+    second = buf.stash(pattern((12, H), torch.float32, salt=32), counts(8))
+    assert second.record()["valid"] == 1
+    assert first.record() == {"valid": -1, "num_pages": 0, "device_pages": 0, "host_pages": 0,
+                              "counts": [], "page_ids": []}
+
+
+def test_record_of_a_stale_handle_raises():
+    buf = make_buffer(device_pages=8)
+    old = buf.stash(pattern((12, H), torch.float32, salt=33), counts(12))
+    buf.reset()
+    buf.stash(pattern((12, H), torch.float32, salt=34), counts(4))     # reuses the slot
+    with pytest.raises(StaleHandleError, match="reset"):
+        old.record()
+
+
+def test_single_column_rows_with_transposed_strides_roundtrip_without_leaking_slots():
+    """``[rows, 1]`` with strides ``(1, rows)`` is contiguous by torch's rule; stash and reload
+    must move its rows (and not leak a record slot per call when something fails)."""
+    rows = 10
+    buf = PagedStashBuffer(4 * rows, 1, dtype=torch.float32, device="cpu", page_size=4,
+                           record_entries=2 * (L_HEADER + 1 + 3))
+    for i in range(20):                  # ten times the record table, were a slot kept
+        x = pattern((1, rows), torch.float32, salt=40 + i).t()
+        assert x.stride() == (1, rows) and x.is_contiguous()
+        out = pattern((1, rows), torch.float32, salt=90 + i).t()             # same strides
+        h = buf.stash(x, counts(7))
+        buf.reload(h, out=out)
+        want = pattern((1, rows), torch.float32, salt=90 + i).reshape(-1)
+        want[:7] = x.reshape(-1)[:7]                       # live rows restored, the rest kept
+        assert torch.equal(as_bytes(out.reshape(-1)), as_bytes(want))
+
+
+def test_failed_stash_launch_returns_its_record_slot(monkeypatch):
+    from graphstash.reference import paged_stash as reference
+
+    buf = make_buffer(device_pages=8, record_entries=L_HEADER + 1 + 3)
+    x = pattern((12, H), torch.float32, salt=35)
+
+    def broken(*args):
+        raise RuntimeError("launch failed (injected)")
+
+    monkeypatch.setattr(reference, "stash", broken)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="injected"):
+            buf.stash(x, counts(12))
+    monkeypatch.undo()
+    check_reloaded(buf.reload(buf.stash(x, counts(12))), x, [12])
+
+
+L_HEADER = graphstash._layout.H_HEADER

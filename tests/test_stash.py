@@ -57,7 +57,8 @@ def _assert_same(a, b):
 def test_bitwise_gradients_lifo(gen, segments):
     model = _model(gen, segments=segments)
     # 2x the first step's demand: later steps draw new counts and must not overflow
-    manager = StashManager(StashConfig(min_tensor_bytes=0, device_factor=2.0), device="cpu")
+    manager = StashManager(StashConfig(min_tensor_bytes=0, device_factor=2.0, policy="always"),
+                           device="cpu")
     order = one_f_one_b(1, 1)
     for step in range(3):
         inputs = make_inputs(1, B, H, segments=segments, generator=gen)
@@ -78,7 +79,8 @@ def test_bitwise_gradients_interleaved_1f1b_with_prefetch(gen, prefetch):
     model = _model(gen)
     # Counts are drawn anew every step: a pool of 2x the first step's demand never overflows
     # (an overflowed step is untrusted and its reloads write nothing).
-    manager = StashManager(StashConfig(min_tensor_bytes=0, prefetch=prefetch, device_factor=2.0),
+    manager = StashManager(StashConfig(min_tensor_bytes=0, prefetch=prefetch, device_factor=2.0,
+                                         policy="always"),
                            device="cpu")
     order = one_f_one_b(micro, chunks)
     for step in range(3):

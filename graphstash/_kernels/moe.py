@@ -71,3 +71,57 @@ def weight_grad(out: torch.Tensor, grad: torch.Tensor, src: torch.Tensor,
             np.int64(grad.shape[1]), np.int64(src.shape[0]))
     launch("moe_dispatch", f"gs_moe_weight_grad_{name}", max(1, -(-pairs // _WARPS)),
            grad.device.index, args)
+
+
+# ---- routing plan of a one-device dispatch (raw_kernels/moe_routing.cu) --------------------
+_CHUNK = 256                   # pairs per warp chunk (GS_CHUNK)
+_SMEM_LIMIT = 48 * 1024        # default dynamic shared memory a block may take
+
+register_source("moe_routing", "moe_routing.cu",
+                ("gs_route_layout",) + tuple(f"gs_route_{w}_{n}" for w in ("count", "place")
+                                             for n in ("i32", "i64")))
+
+
+def route_fits(num_experts: int) -> bool:
+    """Whether :func:`route_local` handles ``num_experts`` (its per-warp counts fit in the
+    default shared memory of a block)."""
+    return _WARPS * (num_experts + 1) * 4 <= _SMEM_LIMIT
+
+
+def route_local(topk_idx: torch.Tensor, num_experts: int, budget_rows: int,
+                pad_multiple: int | None, status: torch.Tensor | None, *,
+                slot_of_pair: torch.Tensor, pair_of_slot: torch.Tensor,
+                token_of_slot: torch.Tensor, tokens_per_expert: torch.Tensor,
+                live_rows: torch.Tensor, demand_rows: torch.Tensor, over_budget: torch.Tensor,
+                bad_index: torch.Tensor) -> None:
+    """Launch the three routing kernels: the plan :func:`graphstash.moe._routing.plan_local`
+    computes, into the given outputs (int32 ``[T, K]``, ``[R]``, ``[R]``, ``[E]``, ``[1]``;
+    int64 ``[1]``; bool ``[1]``, ``[1]``), and, given a status, the flags dispatch raises.
+
+    Args:
+        topk_idx: int32/int64 ``[T, K]`` contiguous expert ids on the device.
+        status: int32 ``[8]`` status or ``None``.
+    """
+    T, K = topk_idx.shape
+    pairs = T * K
+    E = num_experts
+    device = topk_idx.device
+    chunks = max(1, -(-pairs // _CHUNK))
+    counts = torch.empty(chunks * (E + 1), dtype=torch.int32, device=device)
+    offs = torch.empty(E, dtype=torch.int64, device=device)
+    name = "i64" if topk_idx.dtype == torch.int64 else "i32"
+    smem = _WARPS * (E + 1) * 4
+    index = device.index
+    launch("moe_routing", f"gs_route_count_{name}",
+           max(-(-chunks // _WARPS), _blocks(budget_rows)), index,
+           (ptr(topk_idx), np.int64(pairs), np.int32(E), ptr(counts), np.int64(chunks),
+            ptr(pair_of_slot), ptr(token_of_slot), np.int64(budget_rows)), shared_mem=smem)
+    launch("moe_routing", "gs_route_layout", 1, index,
+           (ptr(counts), np.int64(chunks), np.int32(E), np.int64(budget_rows),
+            np.int32(pad_multiple or 1), ptr(offs), ptr(tokens_per_expert), ptr(live_rows),
+            ptr(demand_rows), ptr(over_budget), ptr(bad_index),
+            ptr(status) if status is not None else np.uint64(0)), shared_mem=(E + 1) * 8)
+    launch("moe_routing", f"gs_route_place_{name}", -(-chunks // _WARPS), index,
+           (ptr(topk_idx), np.int64(pairs), np.int32(K), np.int32(E), ptr(counts),
+            np.int64(chunks), ptr(offs), np.int64(budget_rows), ptr(slot_of_pair),
+            ptr(pair_of_slot), ptr(token_of_slot)), shared_mem=smem)

@@ -56,7 +56,7 @@ def _modes(result: dict, plt, title: str):
     configs = list(result)
     fig, axes = plt.subplots(len(configs), 2, figsize=(11, 3.6 * len(configs)), squeeze=False)
     for row, cfg in zip(axes, configs):
-        modes = list(result[cfg])
+        modes = [m for m in result[cfg] if "step_ms" in result[cfg][m]]
         for ax, key, label in zip(row, ("step_ms", "peak_mib"), ("step time (ms)", "peak MiB")):
             ax.bar(range(len(modes)), [result[cfg][m][key] for m in modes], color="tab:green")
             ax.set_xticks(range(len(modes)))
@@ -84,7 +84,8 @@ def write(results: dict, directory) -> list[pathlib.Path]:
     out = pathlib.Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     makers = {"kernels": _kernels, "graph": _graph, "stash": _stash,
-              "moe": lambda r, p: _modes(r, p, "moe"),
+              "moe": lambda r, p: _modes({c: v.get("results", v) for c, v in r.items()}, p,
+                                         "moe"),
               "offload": lambda r, p: _modes({"offload": r["results"]}, p, "offload"),
               "hf": lambda r, p: _modes(r, p, "hf")}
     written = []

@@ -1,217 +1,307 @@
-"""``graphstash bench moe``: the reference MoE model, step time and peak memory per mode.
+"""``graphstash bench moe``: MoE training steps against the peer users would run instead.
 
-Modes, each a full training step (forward, backward, AdamW) of :class:`graphstash.models.MoEModel`:
+Every mode is a full training step (forward, backward, fused AdamW) of
+:class:`graphstash.models.MoEModel`, from the same initialisation and batches:
 
-- ``eager dropless``: eager, buffers sized from the real counts (host reads every layer);
-- ``graph + budget``: static-budget dispatch, the whole step captured in one CUDA graph;
-- ``graph + budget + stash``: the same with ``stash_activations`` (device tier only);
-- ``+ host tier``: a smaller device tier plus a pinned-host tier.
+- ``plain eager`` / ``plain graph``: the peer, a dropless MoE in plain PyTorch (sort, histc,
+  ``torch._grouped_mm`` over exactly T*K rows, ``index_add_``; :mod:`graphstash.models.plain`),
+  eagerly and captured by :func:`graphstash.graph_step` (one GPU only: under expert
+  parallelism it reads its all-to-all split sizes back to the host every layer);
+- ``eager dropless``: graphstash's dispatch sized from the real counts (host reads), eager;
+- ``graph + budget``: static-budget dispatch, the step captured by ``graph_step``;
+- ``graph + budget + stash``: the same with ``stash_activations`` around the experts
+  (``graph_step(stash=...)``, device tier).
 
-Run on one GPU, or expert-parallel under ``torchrun --nproc-per-node 2 -m graphstash.cli
-bench moe`` (WORLD_SIZE is detected; rank 0 prints). Peak memory is
-``torch.cuda.max_memory_allocated`` over the capture and the timed steps (the eager steps
-before them, warmup and stash-pool sizing, are left out: NOTE [steady-state peak]), above the
-memory allocated before the model was built, so weights, optimizer state, the graph's pool and
-the stash pool all count. Step times are the mean of ``steps`` steps run one mode after the
-other; the two graphed budget modes are also timed in alternating rounds (both graphs alive),
-and that ratio is the one to quote: drift between the runs then favours neither.
+Configurations: the presets at real layer widths (``graphstash.models.PRESETS``:
+``qwen3-30b-a3b``, ``mixtral-8x7b``; gated experts, 8192 tokens per rank, as many layers as
+fit unless ``--layers``), a user's own (``--hidden --ffn --experts --topk``), and the
+launch-bound and memory-bound configurations of earlier figures. Expert parallel under
+``torchrun --nproc-per-node N -m graphstash.cli bench moe`` (WORLD_SIZE is detected; rank 0
+prints; figures are the largest over the ranks).
+
+Columns: step time (median of CUDA-event samples of back-to-back calls, each call a whole
+decorated step: staging, replay and status read), its ratio to the peer (graphed peer for
+graphed modes where there is one, else the eager peer), the peak memory over the capture and
+the timed steps above the memory before the model was built (NOTE [steady-state peak]), the
+activation peak (that peak less parameters, gradients and optimizer state), the bytes each
+rank sends to other ranks per step (counted over one eager step), and the flags.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-import time
+import statistics
 
 import torch
 
-from .. import _layout as L
-from ..models import MoEConfig, MoEModel
+from ..models import PRESETS, MoEConfig, MoEModel
 from ..moe import experts as _experts
-from ._timing import capture_with_output, time_calls_interleaved
+from ._timing import event_ms
 
-# NOTE [bench budgets]: every configuration sizes its static buffers at twice the average rows
-# a rank receives (capacity_factor=2.0). At EP=2 (chunk_factor=2.0) that is the worst case:
-# no routing can go over budget, so graph + budget never reruns and is the fair baseline.
-# On one GPU a dropless top-k dispatch always fills T x K rows (plus padding), so there the
-# same factor stands for the headroom an expert-parallel run needs, not for a need of its own.
-# Launch-bound: small layers, so host launch overhead dominates eager steps. Memory-bound:
-# activations dominate memory (32768 tokens, 32 layers: the budget-sized activations autograd
-# keeps, x and the pre-activation of the experts, are about three times the weights,
-# gradients and AdamW state).
+# NOTE [bench budgets]: the launch-bound and memory-bound configurations size their static
+# buffers at twice the average rows a rank receives (capacity_factor=2.0), the worst case at
+# EP=2, so graph + budget never reruns there. The presets take capacity_factor=1.0 on one GPU:
+# exactly the T*K dropless rows (a top-k dispatch on one GPU always fills them), so there the
+# static budget holds no dead rows; expert-parallel runs pass --capacity-factor.
 CONFIGS = {
     "launch-bound": MoEConfig(hidden=256, ffn=512, num_experts=8, topk=2, layers=12,
                               num_tokens=1024, capacity_factor=2.0, pad_multiple=16),
     "memory-bound": MoEConfig(hidden=1024, ffn=2048, num_experts=8, topk=2, layers=32,
                               num_tokens=32768, capacity_factor=2.0, pad_multiple=16),
 }
-QUICK = {"quick": MoEConfig(hidden=256, ffn=512, num_experts=8, topk=2, layers=4,
-                            num_tokens=1024, capacity_factor=2.0, pad_multiple=16)}
-MODES = ("eager dropless", "graph + budget", "graph + budget + stash", "+ host tier")
-INTERLEAVED = ("graph + budget", "graph + budget + stash")   # also timed in alternating rounds
+QUICK = {
+    "quick": MoEConfig(hidden=256, ffn=512, num_experts=8, topk=2, layers=4, num_tokens=1024,
+                       capacity_factor=2.0, pad_multiple=16),
+    "qwen3-30b-a3b (1 layer, 2048 tokens)": dataclasses.replace(
+        PRESETS["qwen3-30b-a3b"], layers=1, num_tokens=2048),
+}
+MODES = ("plain eager", "plain graph", "eager dropless", "graph + budget",
+         "graph + budget + stash")
+GRAPHED = ("plain graph", "graph + budget", "graph + budget + stash")
+MODEL_MODE = {"plain eager": "plain", "plain graph": "plain", "eager dropless": "dropless",
+              "graph + budget": "budget", "graph + budget + stash": "stash"}
+DTYPE = torch.bfloat16
 
 
-def _stash_manager(mode: str, device, status):
-    from ..stash import StashConfig, StashManager
+def add_arguments(parser) -> None:
+    """The MoE suite's options on ``graphstash bench``."""
+    g = parser.add_argument_group("moe suite")
+    g.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="one preset only (default: every preset and configuration)")
+    for name, help_ in (("hidden", "hidden width"), ("ffn", "expert ffn width"),
+                        ("experts", "experts in total"), ("topk", "experts per token"),
+                        ("layers", "MoE layers (default for presets: as many as fit)"),
+                        ("tokens", "tokens per rank per step"),
+                        ("steps", "timed steps per mode (default 20; 5 with --quick)")):
+        g.add_argument(f"--{name}", type=int, default=None, help=help_)
+    g.add_argument("--capacity-factor", type=float, default=None,
+                   help="static budget as a multiple of the average rows per rank")
+    g.add_argument("--plain-experts", action="store_true",
+                   help="SiLU experts instead of gated (SwiGLU) ones for --hidden/--ffn")
+    g.add_argument("--modes", default=None,
+                   help=f"comma-separated subset of: {', '.join(MODES)}")
 
-    if mode == "graph + budget + stash":
-        # Half the multiprocessors for the copies (NOTE [copy blocks] in stash/manager.py):
-        # measured faster than all of them beside this model's expert GEMMs.
-        # NOTE [bench pool factor]: the pool is 1.05x the demand of the warmup steps, not the
-        # default 1.10x: a layer's live rows are T x K plus at most E x (pad_multiple - 1)
-        # padding rows on one GPU (0.4 % here), and the sum over 31 stashed layers of an
-        # expert-parallel rank's received rows varies by well under 1 % between random
-        # routings. A step that outgrows the pool is flagged (the overflow column), never
-        # silently wrong.
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        config = StashConfig(host_tier=False, copy_blocks=max(1, sms // 2), device_factor=1.05)
+
+def _positive(name: str, value, kind=int):
+    if value is None:
+        return None
+    if not isinstance(value, kind) or isinstance(value, bool) or not value > 0 or value != value:
+        what = "an int" if kind is int else "a float"
+        raise ValueError(f"--{name.replace('_', '-')}: expected {what} > 0, "
+                         f"got {value!r}")
+    return value
+
+
+def configs_from_args(args, quick: bool) -> dict:
+    """``{name: MoEConfig}`` the suite runs, from the command line (see :func:`add_arguments`).
+    Raises ValueError naming the option for a bad value."""
+    over = {"hidden": _positive("hidden", getattr(args, "hidden", None)),
+            "ffn": _positive("ffn", getattr(args, "ffn", None)),
+            "num_experts": _positive("experts", getattr(args, "experts", None)),
+            "topk": _positive("topk", getattr(args, "topk", None)),
+            "layers": _positive("layers", getattr(args, "layers", None)),
+            "num_tokens": _positive("tokens", getattr(args, "tokens", None)),
+            "capacity_factor": _positive("capacity_factor",
+                                         getattr(args, "capacity_factor", None), float)}
+    over = {k: v for k, v in over.items() if v is not None}
+    preset = getattr(args, "preset", None)
+    custom = any(k in over for k in ("hidden", "ffn", "num_experts", "topk"))
+    if preset is not None:
+        out = {preset: dataclasses.replace(PRESETS[preset], **over)}
+    elif custom:
+        missing = [k for k in ("hidden", "ffn", "num_experts", "topk") if k not in over]
+        if missing:
+            raise ValueError(f"--{missing[0].replace('num_experts', 'experts')}: a custom shape "
+                             "needs --hidden, --ffn, --experts and --topk")
+        base = MoEConfig(num_tokens=8192, capacity_factor=1.0,
+                         gated=not getattr(args, "plain_experts", False), layers=4)
+        out = {"custom": dataclasses.replace(base, **over)}
     else:
-        config = StashConfig(device_factor=0.6, host_factor=0.6, host_tier=True)
-    return StashManager(config, device=device, status=status)
+        out = dict(QUICK) if quick else {**{n: dataclasses.replace(c, **over)
+                                            for n, c in PRESETS.items()}, **CONFIGS}
+    for name, c in out.items():
+        if c.topk > c.num_experts:
+            raise ValueError(f"--topk: expected at most --experts={c.num_experts}, got {c.topk}")
+        if c.capacity_factor < 1.0 and name in PRESETS:
+            print(f"note: {name} at capacity factor {c.capacity_factor} < 1 drops rows on one "
+                  "GPU; every flagged step reruns dropless")
+    return out
 
 
-def train_step(model, opt, manager, static_x: torch.Tensor):
-    """The step every mode times: zero grads, forward over ``static_x`` (``[num_tokens,
-    hidden]`` on the model's device and dtype), backward of a mean-square loss, optimizer
-    step; with a stash ``manager`` its begin_step()/end_step() go around forward + backward.
-    Returns the step function (it returns the detached loss)."""
-    def step():
-        opt.zero_grad(set_to_none=True)
-        if manager is None:
-            loss = model(static_x).float().pow(2).mean()
-            loss.backward()
+def modes_from_args(args) -> tuple:
+    text = getattr(args, "modes", None)
+    if not text:
+        return MODES
+    modes = tuple(m.strip() for m in text.split(","))
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"--modes: expected names from {MODES}, got {bad}")
+    return modes
+
+
+def _fit_layers(config: MoEConfig, world: int, device) -> int:
+    """As many layers as fit on ``device`` (at most ``config.layers``): bf16 parameters, two
+    AdamW moments and the gradients twice (the eager warmup's, then the graph pool's), plus
+    twice the activations the peer keeps (the eager pool and the graph's private pool)."""
+    E_local = config.num_experts // world
+    w_rows = (3 if config.gated else 2) * config.ffn
+    params = E_local * w_rows * config.hidden + config.num_experts * config.hidden
+    rows = config.num_tokens * config.topk
+    acts = rows * (2 * config.hidden + 4 * config.ffn) + 4 * config.num_tokens * config.hidden
+    per_layer = 2 * (5 * params + 2 * acts)
+    free, _ = torch.cuda.mem_get_info(device)
+    fit = int(0.8 * free // per_layer)
+    return max(1, min(config.layers, fit))
+
+
+@contextlib.contextmanager
+def count_exchange(group):
+    """Count the bytes this rank sends to other ranks through ``all_to_all_single`` (ours and
+    the autograd version both call ``torch.distributed.all_to_all_single``); yields a one-item
+    list holding the running total."""
+    total = [0]
+    if group is None:
+        yield total
+        return
+    import torch.distributed as dist
+
+    original = dist.all_to_all_single
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None, *a, **k):
+        row = input[0].numel() * input.element_size() if input.shape[0] else 0
+        if input_split_sizes:
+            sent = sum(n for r, n in enumerate(input_split_sizes) if r != rank)
         else:
-            # begin_step() and end_step() are captured too; end_step() joins the manager's
-            # pack/unpack streams back before the capture ends (NOTE [capture] in
-            # graphstash/stash/manager.py).
-            with manager:
-                manager.begin_step()
-                loss = model(static_x).float().pow(2).mean()
-                loss.backward()
-                manager.end_step()
-        opt.step()
-        return loss.detach()
-    return step
+            sent = input.shape[0] // world * (world - 1)
+        total[0] += sent * row
+        return original(output, input, output_split_sizes, input_split_sizes, *a, **k)
+
+    dist.all_to_all_single = counting
+    try:
+        yield total
+    finally:
+        dist.all_to_all_single = original
 
 
-def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int,
-              keep: bool = False) -> dict:
-    """Build, warm up (and capture) ``mode``, time ``steps`` steps one after the other and
-    measure the peak. ``keep``: the result's ``"step"`` is a callable running one more step
-    on a given batch (it keeps the model, optimizer and graph alive) for
-    :func:`_time_interleaved`."""
+def _static_bytes(model, opt) -> int:
+    """Parameters, their gradients and the optimizer's state, in bytes."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda")
+    return 2 * params + state
+
+
+def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) -> dict:
+    """Build ``mode``, warm up (capture), time ``steps`` steps; figures as the module says."""
+    import graphstash
+
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)
-    model_mode = {"eager dropless": "dropless", "graph + budget": "budget"}.get(mode, "stash")
-    manager = _stash_manager(mode, device, status) if model_mode == "stash" else None
-    model = MoEModel(config, mode=model_mode, group=group, stash_manager=manager,
-                     status=status, seed=0).to(device=device, dtype=torch.bfloat16)
-    graphed = mode != "eager dropless"
+    graphed = mode in GRAPHED
+    model = MoEModel(config, mode=MODEL_MODE[mode], group=group, seed=0, device=device,
+                     dtype=DTYPE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphed)
-    static_x = batches[0].clone()
-    # Decide before any capture whether the experts' grouped GEMM may be captured
-    # (NOTE [grouped_mm under capture] in graphstash/moe/experts.py).
-    _experts._probe(device, static_x.dtype)
+    _experts._probe(device, DTYPE)        # NOTE [grouped_mm under capture], before any capture
 
-    step = train_step(model, opt, manager, static_x)
-
-    def steady_state():
-        # NOTE [steady-state peak]: warmup steps are left out of the peak: the first one runs
-        # before the stash pool is sized (it keeps every activation, as without stashing).
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    def loss_of(x):
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        return loss.detach()
 
     if graphed:
-        graph, _ = capture_with_output(step, warmup=3, before_capture=steady_state)
-        run = graph.replay
+        stash = None
+        if mode == "graph + budget + stash":
+            # NOTE [bench pool factor]: the pool is 1.05x the demand of the warmup steps: a
+            # layer's live rows vary by well under 1 % between random routings here. A step
+            # that outgrows it is flagged and rerun (the flags column), never silently wrong.
+            # Copies get half the multiprocessors (NOTE [copy blocks] in stash/manager.py).
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            stash = graphstash.StashConfig(host_tier=False, copy_blocks=max(1, sms // 2),
+                                           device_factor=1.05)
+        step = graphstash.graph_step(loss_of, optimizer=opt, stash=stash, warmup=2)
+        model.status = step.status
+
+        def one(batch):
+            return step(batch)
     else:
-        for _ in range(2):
-            step()
-        steady_state()
-        run = step
+        def one(batch):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_of(batch)
+            opt.step()
+            return loss
+
+    with count_exchange(group) as sent:
+        one(batches[0])                                   # eager in every mode
+    one(batches[1])
     torch.cuda.synchronize(device)
-    if group is not None:
-        torch.distributed.barrier(group)
-    t0 = time.perf_counter()
-    for i in range(steps):
-        static_x.copy_(batches[i % len(batches)])
-        run()
+    # NOTE [steady-state peak]: the warmup steps are left out of the peak (the first one runs
+    # before the stash pool is sized); the capture and the timed steps count.
+    torch.cuda.reset_peak_memory_stats(device)
+    one(batches[2])                                       # graphed modes: the capture
+    counter = iter(range(1 << 30))
+    samples = []
+    for _ in range(steps):
+        samples.append(event_ms(lambda: one(batches[next(counter) % len(batches)]), 1))
     torch.cuda.synchronize(device)
-    elapsed = (time.perf_counter() - t0) / steps
-    # Expert parallel: every figure is the largest over the ranks (flags: any rank's).
-    figures = torch.tensor([elapsed * 1e3, (torch.cuda.max_memory_allocated(device) - base) / 2**20,
-                            float(status[L.SS_OVER_BUDGET]), float(status[L.SS_OVERFLOW])],
+    peak = torch.cuda.max_memory_allocated(device) - base
+    static = _static_bytes(model, opt)
+    stats = step.stats if graphed else None
+    plan = step.stash_manager.plan() if mode == "graph + budget + stash" else []
+    figures = torch.tensor([statistics.median(samples), peak / 2**20, (peak - static) / 2**20,
+                            sent[0] / 2**20,
+                            float(stats.over_budget if stats else 0),
+                            float(stats.overflows if stats else 0),
+                            float(stats.eager_reruns if stats else 0)],
                            dtype=torch.float64, device=device)
     if group is not None:
         torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MAX, group=group)
-    step_ms, peak_mib, over_budget, overflow = figures.tolist()
-    result = {"step_ms": step_ms, "peak_mib": peak_mib, "over_budget": int(over_budget),
-              "overflow": int(overflow)}
-    if keep:
-        keep_alive = (model, opt, manager)
-
-        def one_step(batch, keep_alive=keep_alive):
-            static_x.copy_(batch)
-            run()
-        result["step"] = one_step
-    del model, opt, manager
-    return result
+    step_ms, peak_mib, act_mib, sent_mib, over_budget, overflow, reruns = figures.tolist()
+    del model, opt
+    return {"step_ms": step_ms, "peak_mib": peak_mib, "activation_peak_mib": act_mib,
+            "exchanged_mib": sent_mib, "over_budget": int(over_budget),
+            "overflow": int(overflow), "reruns": int(reruns),
+            "stashed_groups": sum(r["stashed"] for r in plan), "groups": len(plan)}
 
 
-def _time_interleaved(results: dict, modes: tuple, batches, group, device,
-                      repeats: int = 7) -> dict:
-    """NOTE [interleaved timing] (graph.py): median ms per step of each of ``modes`` (kept
-    alive by ``_run_mode(keep=True)``), sampled in alternating rounds of two steps each, so
-    clock or thermal drift favours none of them. Expert parallel: every rank runs the same
-    sequence (the graphs hold collectives); the figure is the largest over the ranks."""
-    calls = {}
-    for mode in modes:
-        step = results[mode]["step"]
-        counter = iter(range(1 << 30))
-        calls[mode] = (lambda step=step, counter=counter:
-                       step(batches[next(counter) % len(batches)]))
-    if group is not None:
-        torch.distributed.barrier(group)
-    times = time_calls_interleaved(calls, repeats=repeats, inner=2, warmup=1)
-    figures = torch.tensor([times[m] for m in modes], dtype=torch.float64, device=device)
-    if group is not None:
-        torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MAX, group=group)
-    return dict(zip(modes, figures.tolist()))
+def _peer_of(mode: str, results: dict):
+    if mode in GRAPHED and "plain graph" in results and "step_ms" in results["plain graph"]:
+        return "plain graph"
+    return "plain eager" if "plain eager" in results else None
 
 
 def _print_table(name: str, config: MoEConfig, world: int, results: dict) -> None:
-    eager, graph = results["eager dropless"], results["graph + budget"]
-    print(f"\nMoE {name}: {config.layers} layers, hidden {config.hidden}, ffn {config.ffn}, "
-          f"{config.num_experts} experts top-{config.topk}, {config.num_tokens} tokens/rank, "
-          f"EP={world}, bf16")
-    eager_ok, capture_ok = _experts._probe(torch.device("cuda", torch.cuda.current_device()),
-                                           torch.bfloat16)
-    print("experts: " + ("torch._grouped_mm, captured" if capture_ok else
-                         "torch._grouped_mm eagerly, a masked dense product (num_experts x the "
-                         "work) inside graphs" if eager_ok else "a per-expert loop eagerly, a "
-                         "masked dense product inside graphs"))
+    print(f"\nMoE {name}: {config.layers} layers, hidden {config.hidden}, ffn {config.ffn}"
+          f"{' (gated)' if config.gated else ''}, {config.num_experts} experts top-"
+          f"{config.topk}, {config.num_tokens} tokens/rank, capacity factor "
+          f"{config.capacity_factor}, EP={world}, bf16, {torch.cuda.get_device_name()}")
     if world > 1:
         print("figures: the largest over the ranks; flags: set on any rank")
-    print(f"{'mode':<24}{'step ms':>9}{'peak MiB':>10}{'mem/eager':>11}{'mem/graph':>11}"
-          f"{'time/graph':>11}{'speedup':>9}  flags")
+    print(f"{'mode':<24}{'step ms':>9}{'/peer':>7}{'peak MiB':>10}{'act MiB':>9}{'act/peer':>9}"
+          f"{'sent MiB':>10}  flags (over_budget, overflow, reruns)")
     for mode, r in results.items():
         if "error" in r:
-            print(f"{mode:<24}  failed: {r['error']}")
+            print(f"{mode:<24}  {r['error']}")
             continue
-        print(f"{mode:<24}{r['step_ms']:>9.2f}{r['peak_mib']:>10.1f}"
-              f"{r['peak_mib'] / eager['peak_mib']:>11.2f}{r['peak_mib'] / graph['peak_mib']:>11.2f}"
-              f"{r['step_ms'] / graph['step_ms']:>11.2f}{eager['step_ms'] / r['step_ms']:>9.2f}"
-              f"  over_budget={r['over_budget']} overflow={r['overflow']}")
-    if all("step_ms_interleaved" in results[m] for m in INTERLEAVED):
-        base, stash = (results[m]["step_ms_interleaved"] for m in INTERLEAVED)
-        print(f"alternating rounds (median ms per step): {INTERLEAVED[0]} {base:.2f}, "
-              f"{INTERLEAVED[1]} {stash:.2f}: time/graph {stash / base:.3f}")
+        peer = _peer_of(mode, results)
+        p = results.get(peer, {}) if peer else {}
+        t_ratio = f"{r['step_ms'] / p['step_ms']:.3f}" if "step_ms" in p else "-"
+        a_ratio = (f"{r['activation_peak_mib'] / p['activation_peak_mib']:.2f}"
+                   if p.get("activation_peak_mib") else "-")
+        print(f"{mode:<24}{r['step_ms']:>9.2f}{t_ratio:>7}{r['peak_mib']:>10.0f}"
+              f"{r['activation_peak_mib']:>9.0f}{a_ratio:>9}{r['exchanged_mib']:>10.1f}"
+              f"  {r['over_budget']}, {r['overflow']}, {r['reruns']}"
+              + (f"; stashed {r['stashed_groups']}/{r['groups']} groups" if r["groups"] else ""))
+    print("/peer: time over 'plain graph' for graphed modes, over 'plain eager' for eager ones;"
+          " stashed: groups the stash plan stashed (NOTE [stash plan])")
 
 
-def run(quick: bool = False) -> dict:
-    """Benchmark every mode on every configuration; returns ``{config: {mode: numbers}}``."""
+def run(quick: bool = False, args=None) -> dict:
+    """Benchmark the modes on the configurations the command line selects; returns
+    ``{config: {mode: figures}}``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     group = None
     if world > 1:
@@ -225,31 +315,26 @@ def run(quick: bool = False) -> dict:
         group = dist.group.WORLD
     device = torch.device("cuda", torch.cuda.current_device())
     rank = torch.distributed.get_rank() if group is not None else 0
-    steps = 5 if quick else 20
+    configs = configs_from_args(args, quick)
+    modes = modes_from_args(args)
+    steps = _positive("steps", getattr(args, "steps", None)) or (5 if quick else 20)
+    explicit_layers = getattr(args, "layers", None) is not None
     out = {}
-    for name, config in (QUICK if quick else CONFIGS).items():
-        config = dataclasses.replace(config)
-        if world > 1:
-            config.chunk_factor = 2.0
-        gen = torch.Generator().manual_seed(1234 + rank)
-        batches = [torch.randn(config.num_tokens, config.hidden, generator=gen)
-                   .to(device=device, dtype=torch.bfloat16) for _ in range(4)]
+    for name, config in configs.items():
+        if name in PRESETS and not explicit_layers:
+            config = dataclasses.replace(config, layers=_fit_layers(config, world, device))
+        if world > 1 and config.chunk_factor is None:
+            config = dataclasses.replace(config, chunk_factor=config.capacity_factor)
+        gen = torch.Generator(device=device).manual_seed(1234 + rank)
+        batches = [torch.randn(config.num_tokens, config.hidden, generator=gen, device=device,
+                               dtype=DTYPE) for _ in range(4)]
         results = {}
-        for mode in MODES:
-            try:
-                results[mode] = _run_mode(mode, config, group, device, batches, steps,
-                                          keep=mode in INTERLEAVED)
-            except ImportError as exc:          # stash module missing
-                results[mode] = {"error": str(exc)}
-            if mode == INTERLEAVED[-1]:
-                if all("step" in results[m] for m in INTERLEAVED):
-                    interleaved = _time_interleaved(results, INTERLEAVED, batches, group, device,
-                                                    repeats=3 if quick else 7)
-                    for m in INTERLEAVED:
-                        results[m]["step_ms_interleaved"] = interleaved[m]
-                for m in INTERLEAVED:
-                    results[m].pop("step", None)      # frees the two graphs before the next mode
+        for mode in modes:
+            if mode == "plain graph" and world > 1:
+                results[mode] = {"error": "not capturable: reads its split sizes back"}
+                continue
+            results[mode] = _run_mode(mode, config, group, device, batches, steps)
         if rank == 0:
             _print_table(name, config, world, results)
-        out[name] = results
+        out[name] = {"config": dataclasses.asdict(config), "results": results}
     return out

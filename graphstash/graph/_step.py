@@ -12,8 +12,10 @@ One call of a decorated training step runs one of three ways:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import math
 import time
 import traceback
 import warnings
@@ -24,7 +26,7 @@ import torch
 from .. import _layout as L
 from .._checks import forbid_capture
 from .._mode import dropless
-from ..errors import CaptureError, ReleasedError
+from ..errors import CaptureError, ReleasedError, UpdateAppliedError
 from . import _staging as S
 from ._update import DeviceUpdate, check_optimizer, has_state, hyperparameters
 
@@ -40,7 +42,8 @@ def live_graphs() -> int:
 class GraphStepStats:
     """Counters of a :class:`GraphStep` (a snapshot; read ``train_step.stats`` again to refresh).
 
-    ``steps`` counts calls that completed a training step, ``replays`` graph replays,
+    ``steps`` counts the steps whose update was applied (each once; NOTE [transactional
+    rerun]), ``replays`` graph replays,
     ``eager_steps`` steps run eagerly on purpose (warmup, no CUDA), ``eager_reruns`` dropless
     reruns after a flagged step, ``overflows`` / ``over_budget`` / ``host_spills`` steps whose
     status carried that flag, ``captures`` graphs captured and ``capture_ms`` their total
@@ -73,6 +76,27 @@ class GraphStepStats:
         return dataclasses.asdict(self)
 
 
+class _StepCalledError(ValueError):
+    """``optimizer.step()`` called by the step function (NOTE [step ownership])."""
+
+
+def _check_device_arg(device) -> torch.device | None:
+    """``device=`` of :class:`GraphStep` parsed, or ValueError/TypeError naming it."""
+    if device is None:
+        return None
+    expected = "'cpu', 'cuda', 'cuda:N', a torch.device or None"
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device: expected {expected}, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"device: expected {expected}, got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected {expected} (graph_step runs on CUDA, or eagerly on "
+                         f"the CPU), got {device!r}")
+    return dev
+
+
 @dataclasses.dataclass
 class _Graph:
     """One captured graph and what it must keep alive."""
@@ -92,8 +116,26 @@ class _Graph:
 # from zero gradients exactly as ``optimizer.zero_grad()`` would, with no memset. Eager steps
 # (warmup, reruns) call ``zero_grad(set_to_none=True)`` first, which is what an eager loop does;
 # after a rerun ``p.grad`` holds the rerun's gradients while the graph keeps (and keeps alive)
-# its own. A step function should therefore not call ``optimizer.step()`` itself; calling
-# ``zero_grad()`` is harmless.
+# its own. A step function therefore must not call ``optimizer.step()`` itself (it is refused:
+# NOTE [step ownership]); calling ``zero_grad()`` is harmless.
+
+# NOTE [step ownership]
+# The decorator applies the update itself (``optimizer.step()``, or ``scaler.step``/``update``):
+# inside the graph, where a device flag can skip it, and eagerly once the flags were read. A
+# step function that calls ``optimizer.step()`` as an eager loop does would apply every update
+# twice (and once more, unskippable, inside the capture). A step pre-hook on the optimizer
+# refuses any ``step()`` while the step function runs, before the optimizer writes anything, so
+# such a call fails with nothing applied and the same error eagerly, under capture and on the
+# CPU.
+
+# NOTE [transactional rerun]
+# A rerun applies the update of a step the device skipped. Everything that can fail runs before
+# that update: the step function, growing the stash budget (it reallocates) and preparing the
+# outputs. A failure there leaves the update unapplied and the step uncounted, so retrying the
+# batch is correct. The update is counted in ``stats.steps`` as it is applied, so the counter
+# always equals the updates made. Only the user's ``on_overflow`` runs after it (it must see
+# the grown budget); if it raises, the graphs are still dropped and the error is an
+# UpdateAppliedError saying that the update was applied and the batch must not be retried.
 
 # NOTE [status readback]
 # Inside the graph, after backward, the flags (overflow, host spill, over budget) are reduced
@@ -160,14 +202,22 @@ class GraphStep:
                                                 or graph_memory_budget <= 0):
             raise ValueError(f"graph_memory_budget: expected a positive int (bytes) or None, "
                              f"got {graph_memory_budget!r}")
-        if not isinstance(budget_growth, (int, float)) or budget_growth <= 1.0:
-            raise ValueError(f"budget_growth: expected a number > 1, got {budget_growth!r}")
+        if isinstance(budget_growth, bool) or not isinstance(budget_growth, (int, float)):
+            raise TypeError(f"budget_growth: expected a finite number > 1, got "
+                            f"{type(budget_growth).__name__}")
+        if not math.isfinite(budget_growth) or budget_growth <= 1.0:
+            raise ValueError(f"budget_growth: expected a finite number > 1, got {budget_growth!r}")
         if on_overflow is not None and not callable(on_overflow):
             raise TypeError(f"on_overflow: expected a callable or None, got {type(on_overflow).__name__}")
         if distributed not in ("auto", True, False):
             raise ValueError(f"distributed: expected 'auto', True or False, got {distributed!r}")
         if update_skip not in ("auto", "found_inf", "mask"):
             raise ValueError(f"update_skip: expected 'auto', 'found_inf' or 'mask', got {update_skip!r}")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("optimizer: LBFGS re-evaluates the loss through a closure several "
+                             "times per step; graph_step calls optimizer.step() once, without a "
+                             "closure. Use a first-order optimizer (AdamW, Adam or SGD)")
+        device = _check_device_arg(device)
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._name = getattr(fn, "__qualname__", getattr(fn, "__name__", "step"))
@@ -203,6 +253,11 @@ class GraphStep:
         self._capture_stream = None
         self._stats = GraphStepStats()
         self._status_wait_s = 0.0
+        self._fn_running = False
+        self._warned_contract = False
+        if optimizer is not None:           # NOTE [step ownership]
+            hook = optimizer.register_step_pre_hook(functools.partial(_refuse_step, weakref.ref(self)))
+            weakref.finalize(self, hook.remove)
 
     # ---- set-up -------------------------------------------------------------------------
     @property
@@ -214,9 +269,12 @@ class GraphStep:
 
     def _resolve_device(self) -> torch.device:
         if self._device_arg is not None:
-            dev = torch.device(self._device_arg)
+            dev = self._device_arg
         elif self.optimizer is not None and self.optimizer.param_groups[0]["params"]:
             dev = self.optimizer.param_groups[0]["params"][0].device
+            if dev.type not in ("cpu", "cuda"):
+                raise ValueError(f"device: the optimizer's parameters are on {dev}; graph_step "
+                                 "runs on CUDA (or eagerly on the CPU): pass device= or move them")
         elif torch.cuda.is_available():
             dev = torch.device("cuda")
         else:
@@ -365,11 +423,15 @@ class GraphStep:
         forbid_capture(f"{self._name}()")
         self._setup()
         if not self.graphed or self._eager_done < self.warmup:
-            out = self._eager_step(args, kwargs, side_stream=self.graphed)
-            self._eager_done += 1
-            self._stats.eager_steps += 1
-            self._stats.steps += 1
-            return out
+            if not self.graphed and self._eager_done >= self.warmup:
+                self._check_cpu_contract(args, kwargs)
+            steps = self._stats.steps
+            try:
+                return self._eager_step(args, kwargs, side_stream=self.graphed)
+            finally:
+                if self._stats.steps > steps:    # the update was applied (NOTE [transactional rerun])
+                    self._eager_done += 1
+                    self._stats.eager_steps += 1
         leaves, spec = S.flatten_call(args, kwargs)
         sig = S.signature(leaves, spec)
         entry = self._graphs.get(sig)
@@ -378,18 +440,61 @@ class GraphStep:
             self._drop_graphs()          # a scheduler changed a float lr: every graph baked it
             entry = None
         if entry is None:
-            if (self._first_signature is not None and sig != self._first_signature
-                    and self._on_new_shape == "error"):
-                raise ValueError(
-                    f"{self._name}: " + S.describe_mismatch(self._first_signature, sig, args, kwargs)
-                    + ". Pass inputs of the captured shapes, or decorate with "
-                    "graph_step(..., on_new_shape='recapture') to keep a graph per shape")
+            self._refuse_new_signature(sig, args, kwargs)
             entry = self._capture(sig, leaves, spec)
         else:
             self._graphs[sig] = self._graphs.pop(sig)     # most recently used last
         return self._replay(entry, leaves, args, kwargs)
 
+    def _refuse_new_signature(self, sig, args, kwargs) -> None:
+        """ValueError naming the argument when ``sig`` differs from the first captured one
+        (unless ``on_new_shape='recapture'``)."""
+        if (self._first_signature is not None and sig != self._first_signature
+                and self._on_new_shape == "error"):
+            raise ValueError(
+                f"{self._name}: " + S.describe_mismatch(self._first_signature, sig, args, kwargs)
+                + ". Pass inputs of the captured shapes, or decorate with "
+                "graph_step(..., on_new_shape='recapture') to keep a graph per shape")
+
+    # NOTE [same contract on the CPU]
+    # Without CUDA every call runs eagerly, but a step that a GPU run would refuse must not pass
+    # silently here: CPU tests and CPU users would never learn of it. From the call that would
+    # capture on, a change of argument shapes (or of a non-tensor argument) raises the same
+    # ValueError as on the GPU (``on_new_shape='recapture'`` allows it, as there). An optimizer
+    # that cannot be captured only warns, once: torch's CPU optimizers cannot be made
+    # capturable, so refusing would break legitimate CPU training.
+    def _check_cpu_contract(self, args, kwargs) -> None:
+        leaves, spec = S.flatten_call(args, kwargs)
+        sig = S.signature(leaves, spec)
+        self._refuse_new_signature(sig, args, kwargs)
+        if self._first_signature is None:
+            self._first_signature = sig
+        if self._warned_contract:
+            return
+        self._warned_contract = True
+        try:
+            self._check_capturable()
+        except ValueError as exc:
+            warnings.warn(f"graphstash.graph_step({self._name}): on a CUDA device this step would "
+                          f"be refused: {exc} (code that builds the optimizer capturable only on "
+                          "CUDA may filter this warning)", RuntimeWarning, stacklevel=4)
+
     # ---- eager --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _step_fn_running(self):
+        """While the step function runs, ``optimizer.step()`` is refused (NOTE [step ownership])."""
+        self._fn_running = True
+        try:
+            yield
+        finally:
+            self._fn_running = False
+
+    def _apply_update(self) -> None:
+        """The eager update of a step, counted as it is applied (NOTE [transactional rerun])."""
+        if self._update is not None:
+            self._update.eager_step()
+        self._stats.steps += 1
+
     def _clear_flags(self) -> None:
         with torch.no_grad():
             self.status[L.SS_OVERFLOW: L.SS_OVER_BUDGET + 1].zero_()
@@ -442,16 +547,16 @@ class GraphStep:
         saved_rng = self._rng_offsets()
         self._zero_grad()
         self._clear_flags()
-        out = self._run_fn(args, kwargs, is_dropless=False)
+        with self._step_fn_running():
+            out = self._run_fn(args, kwargs, is_dropless=False)
         overflow, spill, over_budget = (int(v) for v in self._reduced_flags().tolist())
         self._count_flags(overflow, spill, over_budget)
         if overflow or over_budget:
             self._restore_rng(saved_rng)
-            out = self._rerun(args, kwargs, (overflow, spill, over_budget), regraph=False)
-            return S.detach_tree(out)
-        if self._update is not None:
-            self._update.eager_step()
-        return S.detach_tree(out)
+            return self._rerun(args, kwargs, (overflow, spill, over_budget), regraph=False)
+        out = S.detach_tree(out)
+        self._apply_update()
+        return out
 
     def _zero_grad(self) -> None:
         if self.optimizer is not None:
@@ -462,28 +567,54 @@ class GraphStep:
         self._stats.host_spills += bool(spill)
         self._stats.over_budget += bool(over_budget)
 
-    def _rerun(self, args, kwargs, flags: tuple, *, regraph: bool):
-        """Rerun a flagged step eagerly in dropless mode, apply its update, grow the budget."""
+    def _rerun(self, args, kwargs, flags: tuple, *, regraph: bool, finish=S.detach_tree):
+        """Rerun a flagged step eagerly in dropless mode, grow the budget, apply its update.
+
+        ``finish`` turns the step's outputs into what the call returns; it runs before the
+        update (NOTE [transactional rerun]).
+        """
         self._stats.eager_reruns += 1
         self._zero_grad()
         self._clear_flags()
-        out = self._run_fn(args, kwargs, is_dropless=True)
+        with self._step_fn_running():
+            out = self._run_fn(args, kwargs, is_dropless=True)
         self._clear_flags()
-        if self._update is not None:
-            self._update.eager_step()
-        grown = False
-        config = getattr(self._manager, "config", None)
-        if config is not None:
-            config.device_factor = config.device_factor * self._budget_growth
-            self._manager.size_from_demand()
-            grown = True
-        if self._on_overflow is not None:
+        grown = self._grow_budget()
+        out = finish(out)
+        self._apply_update()
+        if self._on_overflow is None:
+            if grown and regraph:
+                self._drop_graphs()         # the next call recaptures with the grown budget
+            return out
+        try:
             self._on_overflow({"overflow": bool(flags[0]), "host_spill": bool(flags[1]),
                                "over_budget": bool(flags[2])})
-            grown = True
-        if grown and regraph:
-            self._drop_graphs()             # the next call recaptures with the grown budget
+        except Exception as exc:
+            raise UpdateAppliedError(
+                f"on_overflow raised {type(exc).__name__}: {exc}. The step's update was already "
+                f"applied (stats.steps counts it): do not run this batch again") from exc
+        except BaseException as exc:        # KeyboardInterrupt, SystemExit: keep their type
+            exc.add_note("graphstash: the step's update was already applied (stats.steps counts "
+                         "it) when on_overflow was interrupted")
+            raise
+        finally:
+            if regraph:
+                self._drop_graphs()         # on_overflow may have grown a budget a graph baked
         return out
+
+    def _grow_budget(self) -> bool:
+        """Grow the stash's sizing factor by ``budget_growth`` and resize its buffers; True if
+        there is a stash. A host-only stash (``device_factor`` 0, which StashConfig accepts
+        only with a host tier) grows its host tier: multiplying 0 would grow nothing."""
+        config = getattr(self._manager, "config", None)
+        if config is None:
+            return False
+        if config.device_factor == 0:
+            config.host_factor = config.host_factor * self._budget_growth
+        else:
+            config.device_factor = config.device_factor * self._budget_growth
+        self._manager.size_from_demand()
+        return True
 
     # ---- capture ------------------------------------------------------------------------
     def _check_capturable(self) -> None:
@@ -497,7 +628,8 @@ class GraphStep:
 
     def _captured_body(self, static_args, static_kwargs):
         self._clear_flags()
-        out = self._run_fn(static_args, static_kwargs, is_dropless=False)
+        with self._step_fn_running():
+            out = self._run_fn(static_args, static_kwargs, is_dropless=False)
         flags = self._reduced_flags()
         self._flags_host.copy_(flags, non_blocking=True)
         if self._update is not None:
@@ -553,9 +685,10 @@ class GraphStep:
             except Exception:
                 pass
             torch.cuda.empty_cache()
-            message = _capture_failure_message(exc, self._name)
             traceback.clear_frames(exc.__traceback__)   # drop the activations its frames hold
-            raise CaptureError(message) from exc
+            if isinstance(exc, _StepCalledError):
+                raise                                   # the same error as eagerly
+            raise CaptureError(_capture_failure_message(exc, self._name)) from exc
         current.wait_stream(stream)
         capture_s = time.perf_counter() - t0
         grads = []
@@ -601,17 +734,32 @@ class GraphStep:
         overflow, spill, over_budget = (int(v) for v in self._flags_view)
         self._status_wait_s += time.perf_counter() - t0
         self._stats.replays += 1
-        self._stats.steps += 1
         self._count_flags(overflow, spill, over_budget)
         if overflow or over_budget:
             self._restore_rng(saved_rng)
-            out = self._rerun(args, kwargs, (overflow, spill, over_budget), regraph=True)
-            if self._outputs_mode == "static" and S.copy_tree_into(entry.outputs, out):
-                return entry.outputs
-            return S.clone_tree(out) if self._outputs_mode == "clone" else S.detach_tree(out)
+            return self._rerun(args, kwargs, (overflow, spill, over_budget), regraph=True,
+                               finish=functools.partial(self._rerun_outputs, entry))
+        self._stats.steps += 1                  # the graph applied the update
         if self._outputs_mode == "static":
             return entry.outputs
         return S.clone_tree(entry.outputs)
+
+    def _rerun_outputs(self, entry: _Graph, out):
+        """What a call returns after a rerun: the static outputs overwritten, or copies."""
+        if self._outputs_mode == "static" and S.copy_tree_into(entry.outputs, out):
+            return entry.outputs
+        return S.clone_tree(out) if self._outputs_mode == "clone" else S.detach_tree(out)
+
+
+def _refuse_step(owner_ref, optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook: refuse ``step()`` from inside the step function."""
+    owner = owner_ref()
+    if owner is not None and owner._fn_running:
+        raise _StepCalledError(
+            f"fn: {owner._name} called {type(optimizer).__name__}.step() itself; graph_step "
+            "owns optimizer.step() and optimizer.zero_grad() (and a GradScaler's step() and "
+            "update()) and applies the update once per call, so it would be applied twice. "
+            "Remove the call from the step function (NOTE [step ownership])")
 
 
 def graph_step(fn=None, *, optimizer=None, scaler=None, warmup: int = 2, stash=None,
@@ -648,15 +796,23 @@ def graph_step(fn=None, *, optimizer=None, scaler=None, warmup: int = 2, stash=N
         on_new_shape: ``"error"`` raises ValueError naming the argument; ``"recapture"`` keeps
             up to ``max_graphs`` graphs (and ``graph_memory_budget`` bytes), least recently
             used dropped first.
-        budget_growth: factor applied to the stash ``device_factor`` after an overflow.
-        on_overflow: optional ``callable(flags: dict)`` called after a rerun (for example to
-            grow an MoE dispatch budget); graphs are recaptured afterwards.
+        budget_growth: finite factor > 1 applied to the stash ``device_factor`` after an
+            overflow (to ``host_factor`` for a host-only stash).
+        on_overflow: optional ``callable(flags: dict)`` called after a rerun applied its
+            update (for example to grow an MoE dispatch budget); graphs are recaptured
+            afterwards. If it raises, the call raises :class:`graphstash.UpdateAppliedError`
+            (the update was applied: do not retry the batch).
         generators: extra CUDA ``torch.Generator`` objects the step draws from (the default
             one is always registered with the graph).
         process_group / distributed: flags are all-reduced over this group when
             ``torch.distributed`` is initialised (``distributed="auto"``).
         update_skip: ``"auto"``, ``"found_inf"`` or ``"mask"`` (NOTE [update skipping]).
-        device: where the step runs (default: the optimizer's parameters).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device`` (default: the
+            optimizer's parameters).
+
+    The step function must not call ``optimizer.step()`` (ValueError, NOTE [step
+    ownership]). Without CUDA, shapes that change after the warmup raise as on the GPU and an
+    optimizer a GPU run would refuse warns (NOTE [same contract on the CPU]).
 
     Example::
 

@@ -7,7 +7,10 @@ GEMMs over the dispatched buffer (SwiGLU with HuggingFace's weight layout when
 - ``"dropless"``: eager, every dispatch sized from the real counts (host reads);
 - ``"budget"``: static-budget dispatch, nothing read back: capturable in a CUDA graph;
 - ``"stash"``: ``"budget"`` plus ``stash_activations`` around the experts, so the
-  budget-sized activations autograd keeps are paged out down to their live rows.
+  budget-sized activations autograd keeps are paged out down to their live rows;
+- ``"plain"``: the peer, a dropless MoE in plain PyTorch (:func:`graphstash.models.plain.plain_moe`:
+  sort, histc, ``torch._grouped_mm`` over exactly ``T * K`` rows, ``index_add_``); capturable on
+  one GPU, eager only under expert parallelism.
 
 Expert parallel: pass ``group``; each rank holds ``num_experts / W`` experts (a slice of the
 same full initialisation on every rank), the rest of the model is replicated.
@@ -24,8 +27,9 @@ from torch import nn
 from ..moe.dispatch import budget_rows, combine, dispatch
 from ..moe.experts import reads_rows_past_counts
 from ..moe.mlp import expert_mlp
+from .plain import plain_moe
 
-MODES = ("dropless", "budget", "stash")
+MODES = ("dropless", "budget", "stash", "plain")
 
 
 @dataclasses.dataclass
@@ -90,23 +94,29 @@ class MoEBlock(nn.Module):
     """One block: ``x + combine(experts(dispatch(norm(x))))`` (after optional attention)."""
 
     def __init__(self, config: MoEConfig, local_experts: int, first_expert: int,
-                 generator: torch.Generator):
+                 generator: torch.Generator, dtype: torch.dtype | None = None):
         super().__init__()
         c = config
         self.config = c
+        device = generator.device
         self.attn = _Attention(c.hidden, c.heads) if c.attention else None
-        self.norm = nn.RMSNorm(c.hidden)
-        self.router = nn.Linear(c.hidden, c.num_experts, bias=False)
+        self.norm = nn.RMSNorm(c.hidden, device=device)
+        self.router = nn.Linear(c.hidden, c.num_experts, bias=False, device=device)
         # Full expert weights drawn from one generator on every rank; this rank keeps a slice.
         rows_in = 2 * c.ffn if c.gated else c.ffn
-        w1 = torch.randn(c.num_experts, rows_in, c.hidden, generator=generator) / math.sqrt(c.hidden)
-        w2 = torch.randn(c.num_experts, c.hidden, c.ffn, generator=generator) / math.sqrt(c.ffn)
         sl = slice(first_expert, first_expert + local_experts)
-        self.w1 = nn.Parameter(w1[sl].clone())
-        self.w2 = nn.Parameter(w2[sl].clone())
+
+        def draw(*shape):
+            full = torch.randn(*shape, generator=generator, device=device) / math.sqrt(shape[-1])
+            return nn.Parameter(full[sl].to(dtype).clone() if dtype else full[sl].clone())
+
+        self.w1 = draw(c.num_experts, rows_in, c.hidden)
+        self.w2 = draw(c.num_experts, c.hidden, c.ffn)
         with torch.no_grad():
-            self.router.weight.copy_(torch.randn(c.num_experts, c.hidden, generator=generator)
-                                     / math.sqrt(c.hidden))
+            self.router.weight.copy_(torch.randn(c.num_experts, c.hidden, generator=generator,
+                                                 device=device) / math.sqrt(c.hidden))
+        if dtype is not None:
+            self.to(dtype)
 
     def route(self, x: torch.Tensor):
         """Top-k softmax router: int64 ``[T, K]`` experts and ``[T, K]`` weights (x's dtype)."""
@@ -123,6 +133,9 @@ class MoEBlock(nn.Module):
             x = self.attn(x, c.seq_len)
         h = self.norm(x)
         idx, weight = self.route(h)
+        if mode == "plain":
+            return x + plain_moe(h, idx, weight, self.w1, self.w2, c.num_experts,
+                                 gated=c.gated, group=group)
         world = 1
         if group is not None:
             import torch.distributed as dist
@@ -158,9 +171,10 @@ class MoEBlock(nn.Module):
 
     def _experts(self, permuted: torch.Tensor, counts: torch.Tensor, handle) -> torch.Tensor:
         # The router weights scale the activations, so the combine sums unweighted rows and
-        # autograd keeps two budget-sized tensors per layer (NOTE [expert MLP saved tensors]).
+        # autograd keeps two budget-sized tensors per layer (NOTE [expert MLP saved tensors]),
+        # one on one device (NOTE [regathered input]).
         y = expert_mlp(permuted, self.w1, self.w2, counts, handle.permuted_weights(),
-                       gated=self.config.gated)
+                       gated=self.config.gated, handle=handle)
         return combine(y, handle, weighted=False)
 
 
@@ -169,26 +183,32 @@ class MoEModel(nn.Module):
 
     Args:
         config: sizes (:class:`MoEConfig`).
-        mode: ``"dropless"``, ``"budget"`` or ``"stash"`` (see the module docstring).
+        mode: ``"dropless"``, ``"budget"``, ``"stash"`` or ``"plain"`` (see the module
+            docstring).
         group: ``torch.distributed`` group for expert parallelism (``None``: one device).
         stash_manager: ``graphstash.stash.StashManager`` for ``mode="stash"`` (default: the
             one ``stash_activations`` picks).
         status: int32 ``[8]`` status for every dispatch (default: the per-device default).
-        seed: initialisation seed; equal seeds give equal models (and equal expert slices
-            under expert parallelism).
+        seed: initialisation seed; equal seeds and devices give equal models (and equal expert
+            slices under expert parallelism).
+        device: where the parameters are drawn and live (default: the CPU; drawing a large
+            model on its GPU is much faster than moving it there).
+        dtype: parameter dtype (default: float32).
 
     ``forward(x)`` takes ``[num_tokens, hidden]`` tokens on the model's device and dtype and
     returns the same shape. Train it in bf16 on a GPU (``.to(device, torch.bfloat16)``): that
-    is what the benchmark and the demo measure, and the only dtype whose grouped GEMM
-    (``torch._grouped_mm``) is captured into a CUDA graph; other dtypes capture a masked
-    dense product instead (NOTE [grouped_mm under capture] in ``experts.py``). Example::
+    is what the benchmark and the demo measure, and the dtype whose grouped GEMM
+    (``torch._grouped_mm``) CUTLASS runs inside a CUDA graph; float16 and float32 capture a
+    Triton grouped GEMM instead, or without Triton a masked dense product (NOTE [grouped_mm
+    under capture] in ``graphstash/moe/experts.py``). Example::
 
         model = MoEModel(MoEConfig(hidden=64, ffn=128), mode="budget").to(device, torch.bfloat16)
         loss = model(x).float().pow(2).mean()     # x: [num_tokens, 64] bf16 on device
     """
 
     def __init__(self, config: MoEConfig, *, mode: str = "budget", group=None,
-                 stash_manager=None, status=None, seed: int = 0):
+                 stash_manager=None, status=None, seed: int = 0, device=None,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -209,12 +229,14 @@ class MoEModel(nn.Module):
         self.stash_manager = stash_manager
         self.status = status
         local = config.num_experts // world
-        gen = torch.Generator().manual_seed(seed)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        gen = torch.Generator(device=device).manual_seed(seed)
         with torch.random.fork_rng(devices=[]):      # attention's default init, seeded too
             torch.manual_seed(seed)
-            self.blocks = nn.ModuleList(MoEBlock(config, local, rank * local, gen)
+            self.blocks = nn.ModuleList(MoEBlock(config, local, rank * local, gen, dtype)
                                         for _ in range(config.layers))
-        self.norm = nn.RMSNorm(config.hidden)
+        self.norm = nn.RMSNorm(config.hidden, device=device, dtype=dtype)
+        self.to(device=device, dtype=dtype)          # attention's modules, made on the CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run every block over ``x`` (``[num_tokens, hidden]``, the model's device and dtype); same shape out."""

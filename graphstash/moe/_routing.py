@@ -51,6 +51,7 @@ class RoutingPlan:
     chunk_rows: int = 0
     row_of_recv: torch.Tensor | None = None   # [W * C] permuted row of each received row
     recv_of_row: torch.Tensor | None = None   # [R] received row feeding each permuted row
+    status_updated: bool = False              # the routing kernels raised the status flags
 
     @property
     def stage_rows(self) -> int:
@@ -109,8 +110,19 @@ def _layout(totals: torch.Tensor, pad_multiple, budget_rows: int | None):
 
 
 def plan_local(topk_idx: torch.Tensor, num_experts: int, budget_rows: int | None,
-               pad_multiple: int | None) -> RoutingPlan:
-    """Plan of a one-GPU dispatch; ``budget_rows=None`` sizes the buffer exactly (dropless)."""
+               pad_multiple: int | None, *, ops=None, status: torch.Tensor | None = None
+               ) -> RoutingPlan:
+    """Plan of a one-GPU dispatch; ``budget_rows=None`` sizes the buffer exactly (dropless).
+
+    With a budget and the CuPy ``ops`` (:mod:`graphstash._kernels.moe`), the routing kernels
+    build the same plan in three launches instead of some fifty small torch operations
+    (``raw_kernels/moe_routing.cu``; this function's torch path is their oracle), and raise
+    ``status`` (int32 ``[8]``) as dispatch would (``plan.status_updated``).
+    """
+    if (budget_rows is not None and ops is not None and hasattr(ops, "route_local")
+            and topk_idx.is_cuda and ops.route_fits(num_experts)):
+        return _plan_local_kernels(topk_idx.contiguous(), num_experts, budget_rows,
+                                   pad_multiple, ops, status)
     T, K = topk_idx.shape
     sorted_key, order, rank, counts, _, bad = _sort_pairs(topk_idx, num_experts)
     offs, R, tpe, live, demand = _layout(counts, pad_multiple, budget_rows)
@@ -124,6 +136,29 @@ def plan_local(topk_idx: torch.Tensor, num_experts: int, budget_rows: int | None
         num_tokens=T, topk=K, budget_rows=R, slot_of_pair=_by_order(order, row, (T, K)),
         token_of_slot=token_of_slot, pair_of_slot=pair_of_slot, tokens_per_expert=tpe,
         live_rows=live, demand_rows=demand, over_budget=demand > R, bad_index=bad)
+
+
+def _plan_local_kernels(topk_idx, num_experts, budget_rows, pad_multiple, ops, status):
+    T, K = topk_idx.shape
+    device = topk_idx.device
+
+    def i32(*shape):
+        return torch.empty(shape, dtype=torch.int32, device=device)
+
+    plan = RoutingPlan(
+        num_tokens=T, topk=K, budget_rows=budget_rows, slot_of_pair=i32(T, K),
+        token_of_slot=i32(budget_rows), pair_of_slot=i32(budget_rows),
+        tokens_per_expert=i32(num_experts), live_rows=i32(1),
+        demand_rows=torch.empty(1, dtype=torch.int64, device=device),
+        over_budget=torch.empty(1, dtype=torch.bool, device=device),
+        bad_index=torch.empty(1, dtype=torch.bool, device=device),
+        status_updated=status is not None)
+    ops.route_local(topk_idx, num_experts, budget_rows, pad_multiple, status,
+                    slot_of_pair=plan.slot_of_pair, pair_of_slot=plan.pair_of_slot,
+                    token_of_slot=plan.token_of_slot, tokens_per_expert=plan.tokens_per_expert,
+                    live_rows=plan.live_rows, demand_rows=plan.demand_rows,
+                    over_budget=plan.over_budget, bad_index=plan.bad_index)
+    return plan
 
 
 def plan_expert_parallel(topk_idx: torch.Tensor, num_experts: int, budget_rows: int | None,

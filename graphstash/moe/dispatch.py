@@ -93,7 +93,8 @@ class DispatchHandle:
 
     ``live_rows`` (int32 ``[1]``, device) is the number of rows in use at the top of the
     permuted buffer: the ``num_tokens`` to give ``stash_activations``. ``over_budget`` (bool
-    ``[1]``, device) says whether this dispatch dropped rows.
+    ``[1]``, device) says whether this dispatch dropped rows. ``source`` is the ``[num_tokens,
+    hidden]`` tokens that were dispatched (what :meth:`regather` gathers again).
     """
     plan: RoutingPlan
     topk_weight: torch.Tensor
@@ -102,6 +103,22 @@ class DispatchHandle:
     dtype: torch.dtype
     device: torch.device
     backend: str
+    source: torch.Tensor | None = None
+
+    @property
+    def local(self) -> bool:
+        """True for a one-device dispatch (no expert-parallel exchange)."""
+        return self.plan.group is None
+
+    def regather(self, source: torch.Tensor) -> torch.Tensor:
+        """The permuted rows of ``source`` (``[num_tokens, hidden]``, the dispatched tokens or
+        a tensor of their shape), as the dispatch computed them, without autograd: one gather
+        on one device. Expert parallel dispatches would need the exchange again: refused."""
+        if not self.local:
+            raise ValueError("handle: regather() needs a one-device dispatch; this one is "
+                             "expert-parallel")
+        _, ops = _ops(self.backend, self.device)
+        return _tokens_to_rows(source.detach().contiguous(), self.plan, ops)
 
     @property
     def budget_rows(self) -> int:
@@ -195,6 +212,9 @@ def _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_mult
     if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(f"topk_idx: expected shape ({x.shape[0]}, topk) to match "
                          f"x {tuple(x.shape)}, got {describe(topk_idx)}")
+    if topk_idx.shape[1] == 0:
+        raise ValueError(f"topk_idx: expected at least one expert per token (topk >= 1), got "
+                         f"{describe(topk_idx)}")
     _check_float("topk_weight", topk_weight, x.device)
     if tuple(topk_weight.shape) != tuple(topk_idx.shape):
         raise ValueError(f"topk_weight: expected shape {tuple(topk_idx.shape)} (that of "
@@ -437,7 +457,8 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
         check_routing(topk_idx, num_experts)
 
     if group is None:
-        plan = plan_local(topk_idx, num_experts, None if dropless else budget, pad_multiple)
+        plan = plan_local(topk_idx, num_experts, None if dropless else budget, pad_multiple,
+                          ops=ops, status=None if dropless else status)
     else:
         import torch.distributed as dist
 
@@ -447,11 +468,12 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                                                              num_experts // W)))
         plan = plan_expert_parallel(topk_idx, num_experts, None if dropless else budget,
                                     pad_multiple, group, None if dropless else chunk_rows)
-    _update_status(status, plan, dropless)
+    if not plan.status_updated:
+        _update_status(status, plan, dropless)
     permuted = _Dispatch.apply(x, plan, ops)
     handle = DispatchHandle(plan=plan, topk_weight=topk_weight, num_experts=num_experts,
                             hidden=x.shape[1], dtype=x.dtype, device=x.device,
-                            backend=backend_name)
+                            backend=backend_name, source=x)
     return permuted, plan.tokens_per_expert, handle
 
 

@@ -19,6 +19,14 @@ gated):
 Every GEMM runs once forward and twice backward, as without recomputation. Fewer kept rows
 mean less for a stash to copy out and back, and less memory with or without one.
 
+NOTE [regathered input]: on one device the permuted input is a gather of the dispatched
+tokens, which the step keeps anyway (the router's linear saves them). Given the dispatch's
+``handle``, :func:`expert_mlp` keeps those tokens instead of the ``[rows, hidden]`` permuted
+buffer and gathers it again in backward for the first GEMM's weight gradient: one gather per
+layer in backward buys a budget-sized tensor less per layer, in memory and in what a stash
+copies out and back. Under expert parallelism the rows came through an exchange, so the
+permuted buffer is kept.
+
 NOTE [count-aware expert kernels]: the activation, its gate product, the router-weight
 scaling, their backward and the per-row weight-gradient dot run as one fused kernel each way
 (``raw_kernels/moe_experts.cu``; :mod:`graphstash.reference.experts` is the oracle) that
@@ -29,11 +37,14 @@ multiplies them by zero, so under it the kernels write zeros there instead.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .._checks import describe, require_tensor
 from ..reference.experts import ACTIVATIONS
-from .experts import _check_grouped_args, grouped_mm, grouped_mm_grads, resolve_impl
+from .experts import (TRUSTED, _bad_counts, _check_grouped_args, _flag_bad_counts, _forward,
+                      _GroupedMM, grouped_mm_grads, resolve_impl)
 
 __all__ = ["expert_mlp"]
 
@@ -55,20 +66,41 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+class _RegatheredGEMM(torch.autograd.Function):
+    """``pre = grouped_mm(x, w1)`` keeping the dispatched tokens instead of x (NOTE
+    [regathered input]); x's gradient flows on to the dispatch, the tokens get none here."""
+
+    @staticmethod
+    def forward(ctx, x, source, w1, counts, impl, handle, bad):
+        ctx.save_for_backward(source, w1, counts)
+        # the handle without its own reference to the tokens: they reach backward only
+        # through save_for_backward (version check, saved-tensor hooks)
+        ctx.impl, ctx.handle, ctx.bad = impl, dataclasses.replace(handle, source=None), bad
+        return _forward(x, w1, counts, impl, bad)
+
+    @staticmethod
+    def backward(ctx, grad):
+        source, w1, counts = ctx.saved_tensors
+        x = ctx.handle.regather(source)
+        grad_x, grad_w = grouped_mm_grads(grad.contiguous(), x, w1, counts, ctx.impl,
+                                          bad=ctx.bad)
+        return grad_x, None, grad_w, None, None, None, None
+
+
 class _ActivatedGEMM(torch.autograd.Function):
     """``y = grouped_mm(act(pre) * row_weight, w2)``, keeping pre (NOTE [expert MLP saved
     tensors]); the activation runs count-aware (NOTE [count-aware expert kernels])."""
 
     @staticmethod
-    def forward(ctx, pre, row_weight, w2, counts, impl, gated):
+    def forward(ctx, pre, row_weight, w2, counts, impl, gated, bad):
         ops = _ops(pre.device)
         live = counts.sum().view(1)
         zero_tail = impl == "masked"
         a = pre.new_empty(pre.shape[0], w2.shape[2])
         ops.act_forward(a, pre, row_weight, live, gated=gated, zero_tail=zero_tail)
-        y = grouped_mm(a, w2, counts, impl=impl)
+        y = _forward(a, w2, counts, impl, bad)
         ctx.save_for_backward(pre, row_weight, w2, counts)
-        ctx.impl, ctx.gated, ctx.ops = impl, gated, ops
+        ctx.impl, ctx.gated, ctx.ops, ctx.bad = impl, gated, ops, bad
         return y
 
     @staticmethod
@@ -79,7 +111,8 @@ class _ActivatedGEMM(torch.autograd.Function):
         live = counts.sum().view(1)
         a = pre.new_empty(pre.shape[0], w2.shape[2])
         ops.act_forward(a, pre, row_weight, live, gated=gated, zero_tail=zero_tail)
-        grad_a, grad_w2 = grouped_mm_grads(grad_y.contiguous(), a, w2, counts, impl)
+        grad_a, grad_w2 = grouped_mm_grads(grad_y.contiguous(), a, w2, counts, impl,
+                                           bad=ctx.bad)
         del a
         grad_row = None
         if row_weight is not None and ctx.needs_input_grad[1]:
@@ -93,13 +126,13 @@ class _ActivatedGEMM(torch.autograd.Function):
             if not zero_tail:
                 rows = torch.arange(pre.shape[0], device=pre.device)
                 grad_row = torch.where(rows < live, grad_row, torch.zeros_like(grad_row))
-        return grad_pre, grad_row, grad_w2, None, None, None
+        return grad_pre, grad_row, grad_w2, None, None, None, None
 
 
 def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                tokens_per_expert: torch.Tensor, row_weight: torch.Tensor | None = None,
-               *, gated: bool = False, activation: str = "silu",
-               impl: str = "auto") -> torch.Tensor:
+               *, gated: bool = False, activation: str = "silu", impl: str = "auto",
+               handle=None) -> torch.Tensor:
     """``y[rows of e] = (act(x[rows of e] @ w1[e].T) * row_weight) @ w2[e].T``.
 
     Plain: ``act = silu``. Gated (SwiGLU, HuggingFace's ``gate_up_proj`` / ``down_proj``
@@ -120,6 +153,9 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         gated: whether w1 holds gate and up projections (see above).
         activation: ``"silu"``.
         impl: as for :func:`~graphstash.moe.grouped_mm`, for each of the two GEMMs.
+        handle: the :class:`~graphstash.moe.DispatchHandle` of the dispatch that produced x;
+            on one device x is then gathered again in backward instead of being kept (NOTE
+            [regathered input]). Ignored under expert parallelism.
     Returns ``[rows, hidden_out]``; rows past the counts are unspecified. Differentiable in
     x, w1, w2 and row_weight. Autograd keeps x and the pre-activation, no more (NOTE [expert
     MLP saved tensors]); the elementwise work touches only the rows inside the counts (NOTE
@@ -127,7 +163,7 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
 
         permuted, counts, handle = dispatch(x, idx, w, E, budget=budget)
         y = expert_mlp(permuted, gate_up_proj, down_proj, counts, handle.permuted_weights(),
-                       gated=True)
+                       gated=True, handle=handle)
         out = combine(y, handle, weighted=False)
     """
     _check_grouped_args(x, w1, tokens_per_expert)
@@ -150,6 +186,21 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                 or row_weight.device != x.device):
             raise ValueError(f"row_weight: expected [{x.shape[0]}] in {x.dtype} on {x.device}, "
                              f"got {describe(row_weight)}")
-    pre = grouped_mm(x, w1, tokens_per_expert, impl=impl)
+    # NOTE [expert counts]: a dispatch's own counts need no check; others are checked once
+    trusted = handle is not None and tokens_per_expert is handle.tokens_per_expert
+    impl1 = resolve_impl(x, w1, impl)
+    bad = TRUSTED
+    if not trusted:
+        bad = None if impl1 == "loop" else _bad_counts(tokens_per_expert, x.shape[0])
+        if bad is not None:
+            _flag_bad_counts(bad, x.device, None)
+    if handle is not None and handle.local and handle.source is not None:
+        if tuple(x.shape) != (handle.budget_rows, handle.hidden) or x.device != handle.device:
+            raise ValueError(f"handle: x must be the permuted output of that dispatch "
+                             f"([{handle.budget_rows}, {handle.hidden}] on {handle.device}), got "
+                             f"{describe(x)}")
+        pre = _RegatheredGEMM.apply(x, handle.source, w1, tokens_per_expert, impl1, handle, bad)
+    else:
+        pre = _GroupedMM.apply(x, w1, tokens_per_expert, impl1, bad)
     return _ActivatedGEMM.apply(pre, row_weight, w2, tokens_per_expert,
-                                resolve_impl(pre, w2, impl), gated)
+                                resolve_impl(pre, w2, impl), gated, bad)

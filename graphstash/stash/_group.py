@@ -94,6 +94,7 @@ class Group:
         self.f_index: int | None = None
         self.b_index: int | None = None
         self.demand: dict = {}              # key -> (pages, record entries) in warmup steps
+        self.plan_bytes: dict = {}          # key -> (budget bytes, live bytes) in warmup steps
 
     @property
     def label(self) -> str:

@@ -7,6 +7,7 @@ from .._backend import BACKENDS
 from .._checks import require_positive_int
 
 PREFETCH_POINTS = ("at_last_unpack", "after_release")
+POLICIES = ("auto", "always", "never")
 
 
 @dataclasses.dataclass
@@ -16,7 +17,8 @@ class StashConfig:
     Attributes:
         page_size: rows per page of every buffer.
         device_factor: device tier = ``device_factor x`` peak demand (pages in use), measured
-            in warmup steps (see NOTE [warmup sizing] in ``graphstash/stash/manager.py``).
+            in warmup steps (see NOTE [warmup sizing] in ``graphstash/stash/manager.py``);
+            0 only with a host tier (``host_tier`` and ``host_factor > 0``).
         host_factor: pinned-host tier = ``host_factor x`` peak demand (0: no host tier).
         host_tier: allow a pinned-host tier at all (``False`` ignores ``host_factor``).
         min_tensor_bytes: saved tensors smaller than this are left to autograd.
@@ -32,6 +34,9 @@ class StashConfig:
         copy_blocks: thread blocks one stash or reload may use on the side streams (0: as
             many as fit on the device). The copies run beside compute; capping them leaves
             multiprocessors to that compute (NOTE [copy blocks] in ``manager.py``).
+        policy: whether groups are stashed at all (NOTE [stash plan] in ``manager.py``):
+            ``"auto"`` (default) stashes only when the warmup measurement says it lowers the
+            step's peak, ``"always"`` and ``"never"`` force the choice.
     """
 
     page_size: int = 64
@@ -43,6 +48,10 @@ class StashConfig:
     backend: str = "auto"
     copy_blocks: int = 0
     prefetch: str = "at_last_unpack"
+    policy: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
         """Raise TypeError/ValueError naming the first field that is out of range."""
@@ -55,10 +64,17 @@ class StashConfig:
                 raise ValueError(f"{name}: expected a finite float >= 0, got {value}")
         if not isinstance(self.host_tier, bool):
             raise TypeError(f"host_tier: expected a bool, got {type(self.host_tier).__name__}")
+        if self.device_factor == 0 and not (self.host_tier and self.host_factor > 0):
+            raise ValueError(
+                f"device_factor: expected a float > 0 when there is no host tier (host_tier="
+                f"{self.host_tier}, host_factor={self.host_factor}), got 0: every stash would "
+                "overflow. Pass device_factor > 0, or host_factor > 0 for a host-only stash")
         require_positive_int("min_tensor_bytes", self.min_tensor_bytes, allow_zero=True)
         require_positive_int("initial_tokens", self.initial_tokens, allow_zero=True)
         require_positive_int("copy_blocks", self.copy_blocks, allow_zero=True)
         if self.prefetch not in PREFETCH_POINTS:
             raise ValueError(f"prefetch: expected one of {PREFETCH_POINTS}, got {self.prefetch!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {POLICIES}, got {self.policy!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")

@@ -43,6 +43,17 @@ outside a capture creates the missing buffers at ``factor x peak``. Once buffers
 kernels keep measuring demand on the device (pages wanted, stored or not), and
 ``size_from_demand()`` re-sizes every buffer from the highest mark seen so far.
 
+NOTE [stash plan]: stashing lowers the peak only where the budget holds dead rows. At the
+start of backward a plain step holds every group's budget-sized tensors; a stashing step holds
+the pool (``device_factor x`` the live rows of the stashed groups), the last group (kept) and
+one reloaded group at budget size. So with ``B`` a group's budget bytes and ``V`` its live
+bytes, stashing saves ``sum(B - device_factor * V)`` over the stashed groups and costs the
+largest ``B`` as the reload's working set. The first warmup step measures both (its groups
+keep their tensors and note their demand anyway); under ``policy="auto"`` the manager stashes
+from then on only if the saving exceeds the cost, else it leaves every group to autograd and
+creates no pool (on one GPU a dropless budget of exactly ``T x K`` rows has no dead rows, so
+there the stash steps aside). :meth:`StashManager.plan` shows the measurement and the choice.
+
 NOTE [padding rows]: a reload writes the live rows and zeros the rows past the count
 (``zero_tail``, unless the context passed ``zero_tail=False``): the reloaded tensor differs
 from the original only in rows whose content no correct backward may depend on (the forward
@@ -174,6 +185,8 @@ class StashManager:
         self._timeline: list | None = None   # set to [] to record copy intervals (eager, CUDA)
         self._trace: list | None = None      # set to [] to log ("stash" | "prefetch" | "reload", gid)
         self._deferred_error: Exception | None = None   # raised by a release-time prefetch
+        self._plan: list[dict] | None = None  # NOTE [stash plan]: rows of the first measurement
+        self._keep_all = config.policy == "never"
 
     # ---- public API -----------------------------------------------------------------------
     @property
@@ -200,6 +213,21 @@ class StashManager:
     def schedule(self) -> list | None:
         """The recorded schedule: ``[("F" | "B", group_ordinal, name), ...]`` or ``None``."""
         return None if self._schedule.recorded is None else list(self._schedule.recorded)
+
+    def plan(self) -> list[dict]:
+        """The stash plan (NOTE [stash plan]): one row per layer group of the first measured
+        step, ``{"group", "name", "budget_bytes", "live_bytes", "stashed", "why"}``; empty
+        before any warmup step measured demand."""
+        return [dict(row) for row in self._plan or []]
+
+    def plan_table(self) -> str:
+        """:meth:`plan` as a text table (bytes in MiB)."""
+        lines = [f"{'group':>5}  {'name':<16}{'budget MiB':>11}{'live MiB':>10}  stashed  why"]
+        for r in self._plan or []:
+            lines.append(f"{r['group']:>5}  {str(r['name']):<16}{r['budget_bytes'] / 2**20:>11.1f}"
+                         f"{r['live_bytes'] / 2**20:>10.1f}  {'yes' if r['stashed'] else 'no':<7}"
+                         f"  {r['why']}")
+        return "\n".join(lines)
 
     def begin_step(self) -> None:
         """Start a step: reset every buffer's rings and forget the previous step's groups.
@@ -435,10 +463,41 @@ class StashManager:
         complete = all(g.backward_started for g in tracked)
         self._schedule.finish_step(complete)
         demand = {g.gid: g.demand for g in tracked if g.demand}
-        if demand:
+        if demand and self._plan is None and complete:
+            self._make_plan([g for g in tracked if g.demand])
+        if demand and not self._keep_all:
             for key, (pages, entries) in replay_demand(self._schedule.events, demand).items():
                 self._peak_pages[key] = max(self._peak_pages.get(key, 0), pages)
                 self._peak_entries[key] = max(self._peak_entries.get(key, 0), entries)
+
+    def _make_plan(self, groups: list) -> None:
+        """NOTE [stash plan]: decide from the measured step whether stashing pays."""
+        events = self._schedule.events
+        last = {gid for i, (kind, gid, name) in enumerate(events)
+                if kind == "F" and i + 1 < len(events) and events[i + 1] == ("B", gid, name)}
+        f = self.config.device_factor
+        rows, saving, cost = [], 0.0, 0
+        for g in groups:
+            budget = sum(b for b, _ in g.plan_bytes.values())
+            live = sum(v for _, v in g.plan_bytes.values())
+            rows.append({"group": g.gid, "name": g.name, "budget_bytes": budget,
+                         "live_bytes": live, "stashed": False})
+            if g.gid not in last:
+                saving += budget - f * live
+                cost = max(cost, budget)
+        policy = self.config.policy
+        stash = policy == "always" or (policy == "auto" and saving > cost)
+        if policy == "auto":
+            why = (f"saves {saving / 2**20:.1f} MiB of budget rows, costs {cost / 2**20:.1f} "
+                   "MiB for a reload")
+        else:
+            why = f"policy={policy!r}"
+        for r in rows:
+            last_group = r["group"] in last
+            r["stashed"] = stash and not last_group
+            r["why"] = "last group before backward: kept" if last_group else why
+        self._plan = rows
+        self._keep_all = not stash
 
     def _invalidate_step(self) -> None:
         """Buffers change under the step: its handles are stale, its groups forgotten."""
@@ -531,8 +590,9 @@ class StashManager:
         index = self._schedule.add(("F", group.gid, group.name))
         group.f_index = index
         following = self._schedule.next_after(index)
-        if following == ("B", group.gid, group.name):
-            group.entries = None         # NOTE [last group kept], NOTE [entry cycle]
+        if following == ("B", group.gid, group.name) or (self._keep_all
+                                                         and self._plan is not None):
+            group.entries = None         # NOTE [last group kept] / [stash plan], [entry cycle]
             return
         candidates = [e for e in entries if e.layout is not None]
         if not candidates:
@@ -577,6 +637,10 @@ class StashManager:
         pages = sum(-(-n // P) for n in scope.counts_host if 0 <= n <= cap)
         old_pages, old_entries = group.demand.get(e.key, (0, 0))
         group.demand[e.key] = (old_pages + pages, old_entries + e.record_len)
+        row_bytes = e.layout[2] * e.tensor.element_size()
+        budget, live = group.plan_bytes.get(e.key, (0, 0))
+        group.plan_bytes[e.key] = (budget + e.tensor.numel() * e.tensor.element_size(),
+                                   live + pages * P * row_bytes)
 
     def _stash(self, group: Group, entries: list) -> None:
         for scope in group.all_scopes:
