@@ -24,7 +24,10 @@ over-budget flag and the step reruns dropless, updating once.
 Inside a :func:`graphstash.graph_step` the flag reaches the step by itself (NOTE [current step]
 in ``graphstash/_mode.py``), and with ``stash=True`` the budget-sized activations of every
 experts call go through the step's stash manager (``graph_step(..., stash=StashConfig())``);
-with no stash manager current the experts run unstashed.
+with no stash manager current the experts run unstashed. The manager decides whether stashing
+pays (NOTE [stash plan] in ``graphstash/stash/manager.py``): on one GPU the buffer has no dead
+rows, so under ``StashConfig(policy="auto")`` it steps aside; expert-parallel budgets above the
+live rows are where it saves memory.
 
 Around the experts (NOTE [capture hazards in HF MoE models]): the router jitter noise
 (Mixtral's ``router_jitter_noise``) draws from the default CUDA generator, which
@@ -379,9 +382,11 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
                                         group=settings.group)
 
     def experts():
-        # The router weights scale the activation, so the combine sums unweighted rows
-        # (NOTE [expert MLP saved tensors] in graphstash/moe/mlp.py).
-        y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), gated=self.has_gate)
+        # The router weights scale the activation, so the combine sums unweighted rows; with
+        # the handle, one device keeps the tokens instead of the permuted rows (NOTE [expert
+        # MLP saved tensors], NOTE [regathered input] in graphstash/moe/mlp.py).
+        y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), gated=self.has_gate,
+                       handle=handle)
         return combine(y, handle, weighted=False)
 
     manager = None
