@@ -4,7 +4,7 @@ from __future__ import annotations
 import inspect
 import json
 
-SUITES = ("kernels", "stash", "graph", "moe", "offload")
+SUITES = ("kernels", "stash", "graph", "moe", "offload", "hf")
 
 
 def add_arguments(parser) -> None:

@@ -86,7 +86,8 @@ def write(results: dict, directory) -> list[pathlib.Path]:
     makers = {"kernels": _kernels, "graph": _graph, "stash": _stash,
               "moe": lambda r, p: _modes({c: v.get("results", v) for c, v in r.items()}, p,
                                          "moe"),
-              "offload": lambda r, p: _modes({"offload": r["results"]}, p, "offload")}
+              "offload": lambda r, p: _modes({"offload": r["results"]}, p, "offload"),
+              "hf": lambda r, p: _modes(r, p, "hf")}
     written = []
     for suite, result in results.items():
         fig = makers[suite](result, plt)

@@ -508,8 +508,10 @@ class GraphStep:
         return flags
 
     def _run_fn(self, args, kwargs, *, is_dropless: bool):
+        from .._mode import step_status
+
         manager = self._manager
-        with dropless(is_dropless):
+        with dropless(is_dropless), step_status(self.status):     # NOTE [current step]
             if manager is None:
                 return self._fn(*args, **kwargs)
             with manager:

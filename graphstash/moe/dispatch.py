@@ -27,16 +27,25 @@ _default_status: dict[torch.device, torch.Tensor] = {}
 
 
 def default_status(device) -> torch.Tensor:
-    """The module-level int32 ``[8]`` status tensor dispatch uses on ``device`` by default.
+    """The int32 ``[8]`` status tensor dispatch uses on ``device`` when given no ``status=``.
 
-    Index ``graphstash._layout.SS_OVER_BUDGET`` is raised (sticky) when a budget dropped
-    rows, ``SS_TOKENS_PEAK`` holds the most rows one dispatch asked for, and ``SS_OVERFLOW``
-    gets ``OVERFLOW_COUNT`` when a top-k index was out of range on the GPU. Create it before
-    capturing a graph (or pass your own ``status=``).
+    Inside a running :func:`graphstash.graph_step` on ``device`` (warmup, capture, the eager
+    rerun) it is that step's status (NOTE [current step] in ``graphstash/_mode.py``), so an
+    over-budget dispatch makes the step rerun dropless; elsewhere a module-level tensor per
+    device. Index ``graphstash._layout.SS_OVER_BUDGET`` is raised (sticky) when a budget
+    dropped rows, ``SS_TOKENS_PEAK`` holds the most rows one dispatch asked for, and
+    ``SS_OVERFLOW`` gets ``OVERFLOW_COUNT`` when a top-k index was out of range on the GPU.
+    Create the module-level one before capturing a graph yourself (or pass your own
+    ``status=``).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    from .._mode import current_step_status
+
+    status = current_step_status(device)
+    if status is not None:
+        return status
     status = _default_status.get(device)
     if status is None:
         status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)

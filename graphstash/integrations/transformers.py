@@ -1,0 +1,406 @@
+"""graphstash as an experts backend of HuggingFace transformers (``ExpertsInterface``).
+
+transformers (5.17 and later) runs the experts of its MoE models (Qwen3-MoE, Mixtral, OLMoE,
+Qwen2-MoE, DeepSeek-V3 and every other model whose experts class is decorated with
+``@use_experts_implementation``) through a function chosen by name. This module adds
+``"graphstash"``: the tokens go through graphstash's static-budget :func:`~graphstash.moe.dispatch`,
+the gated expert MLP (:func:`~graphstash.moe.expert_mlp`, HuggingFace's ``gate_up_proj`` /
+``down_proj`` used as they are) and :func:`~graphstash.moe.combine`, so nothing reads a count
+back to the host and the whole training step can be captured by :func:`graphstash.graph_step`::
+
+    import graphstash.integrations.transformers as gst
+
+    gst.register()                                   # adds "graphstash" to the ExpertsInterface
+    model.set_experts_implementation("graphstash")   # or experts_implementation= at load
+    gst.configure(model, capacity_factor=1.25, stash=True, group=None)   # optional; the defaults
+
+Budgets (NOTE [experts budget]): on one GPU the dispatch buffer holds ``T * top_k`` rows, every
+row a step can ask for, so it never drops a token (dropless by construction, whatever
+``capacity_factor`` above 1 says; a factor below 1 gives a smaller buffer whose over-budget
+steps :func:`graphstash.graph_step` reruns dropless). With ``group=`` each rank receives
+``capacity_factor * T * top_k`` rows at most; a step that routes more to one rank raises the
+over-budget flag and the step reruns dropless, updating once.
+
+Inside a :func:`graphstash.graph_step` the flag reaches the step by itself (NOTE [current step]
+in ``graphstash/_mode.py``), and with ``stash=True`` the budget-sized activations of every
+experts call go through the step's stash manager (``graph_step(..., stash=StashConfig())``);
+with no stash manager current the experts run unstashed. The manager decides whether stashing
+pays (NOTE [stash plan] in ``graphstash/stash/manager.py``): on one GPU the buffer has no dead
+rows, so under ``StashConfig(policy="auto")`` it steps aside; expert-parallel budgets above the
+live rows are where it saves memory.
+
+Around the experts (NOTE [capture hazards in HF MoE models]): the router jitter noise
+(Mixtral's ``router_jitter_noise``) draws from the default CUDA generator, which
+:func:`graphstash.graph_step` registers with the graph, so it captures and its dropless rerun
+draws the same noise; padding masks are built without host reads while a stream captures
+(transformers checks for capture itself); the router auxiliary loss
+(``output_router_logits=True``) is capturable when an ``attention_mask`` is passed, and
+without one only on transformers versions that count with ``torch.histc`` (5.17 calls
+``torch.bincount``, which syncs; :func:`configure` warns then). Pass ``use_cache=False`` when
+training (no key/value cache is filled for nothing).
+
+What the backend refuses (``ValueError`` from :func:`configure` or the first forward, naming the
+module): expert biases (``has_bias``, GPT-OSS), transposed expert weights (``is_transposed``),
+interleaved gate/up rows (``is_concatenated=False``), a custom ``_apply_gate`` (GPT-OSS's clamped
+SwiGLU), a norm after the experts (``has_post_expert_norm``), transformers' own expert
+parallelism, and activations other than SiLU. Keep ``experts_implementation="grouped_mm"`` for
+those models.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from ..errors import BackendUnavailableError
+
+__all__ = ["IMPLEMENTATION", "ExpertsSettings", "configure", "experts_forward",
+           "experts_modules", "register", "settings_of"]
+
+IMPLEMENTATION = "graphstash"
+MIN_VERSION = (5, 17)
+_SETTINGS_ATTR = "_graphstash_experts"
+_CHECKED_ATTR = "_graphstash_supported"
+_INSTALL_HINT = "pip install 'graphstash[hf]' (transformers>=5.17)"
+
+
+# NOTE [capture hazards in HF MoE models]
+# What else in transformers' MoE models could stop a capture (read in the sources of 5.17 and
+# 5.23; the GPU tests capture each case):
+# - the router auxiliary loss (load_balancing_loss_func, run when output_router_logits is on)
+#   counts each expert's tokens. Without an attention_mask, 5.17 uses torch.bincount, whose
+#   output size depends on the data (a host read: the capture fails); later versions use
+#   torch.histc with fixed bins. With an attention_mask both take scatter_add_, which is fine,
+#   so passing attention_mask=torch.ones_like(input_ids) is the workaround on 5.17;
+# - masks: transformers skips its host-side "is the mask all ones?" shortcut while a CUDA
+#   stream captures (is_tracing() includes stream capture) and builds the mask on the device;
+# - router jitter (Mixtral): uniform_ noise from the default CUDA generator, registered with
+#   the graph by graph_step; the eager rerun restores the generator's offset first.
+
+
+# NOTE [experts budget]
+# HuggingFace calls the experts with T tokens and K experts per token, so one step asks for
+# exactly T * K rows. On one GPU every row lands on this device: a buffer of T * K rows (what
+# budget_rows gives at capacity_factor 1) holds any routing, so a larger factor would only waste
+# memory and is capped at 1. Under expert parallelism a rank receives T * K rows on average over
+# W ranks, anywhere from 0 to W * T * K; capacity_factor sizes its buffer (W fits any routing).
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsSettings:
+    """How the ``"graphstash"`` backend runs one experts module (set by :func:`configure`).
+
+    ``group`` is the expert-parallel process group (None: one device); this rank holds experts
+    ``[first_expert, first_expert + num_experts / world_size)``.
+    """
+    capacity_factor: float = 1.25
+    stash: bool = True
+    group: object = None
+    world_size: int = 1
+    first_expert: int = 0
+    name: str = "experts"
+
+
+_DEFAULTS = ExpertsSettings()
+
+
+def _transformers_moe():
+    """transformers' ``integrations.moe`` module; BackendUnavailableError if it is missing or
+    older than 5.17 (no ``ExpertsInterface``)."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"graphstash.integrations.transformers needs transformers, which is not installed: "
+            f"{_INSTALL_HINT}") from exc
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    try:
+        from transformers.integrations import moe
+        moe.ExpertsInterface, moe.use_experts_implementation     # noqa: B018 - presence check
+    except (ImportError, AttributeError) as exc:
+        raise BackendUnavailableError(
+            f"graphstash.integrations.transformers needs transformers' ExpertsInterface "
+            f"(transformers>=5.17), got transformers {transformers.__version__}: "
+            f"{_INSTALL_HINT}") from exc
+    if version and version < MIN_VERSION:
+        raise BackendUnavailableError(
+            f"graphstash.integrations.transformers needs transformers>=5.17, got "
+            f"{transformers.__version__}: {_INSTALL_HINT}")
+    return moe
+
+
+def register() -> None:
+    """Add ``"graphstash"`` to transformers' ``ExpertsInterface`` (for every model; idempotent).
+
+    Raises :class:`~graphstash.BackendUnavailableError` when transformers (>= 5.17) is missing.
+    Example::
+
+        gst.register()
+        model = AutoModelForCausalLM.from_config(config, experts_implementation="graphstash")
+    """
+    _transformers_moe().ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every experts module of ``model`` that transformers' ExpertsInterface
+    drives (a class decorated with ``@use_experts_implementation``), in module order."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    return [(name, m) for name, m in model.named_modules()
+            if hasattr(m, "has_gate") and hasattr(m, "down_proj") and hasattr(m, "num_experts")]
+
+
+def settings_of(module: nn.Module) -> ExpertsSettings:
+    """The :class:`ExpertsSettings` the backend uses for ``module`` (the defaults until
+    :func:`configure` runs)."""
+    return getattr(module, _SETTINGS_ATTR, _DEFAULTS)
+
+
+def _is_silu(act) -> bool:
+    from transformers.activations import SiLUActivation
+
+    return isinstance(act, (nn.SiLU, SiLUActivation)) or act is torch.nn.functional.silu
+
+
+def _unsupported(module: nn.Module) -> str | None:
+    """What of ``module`` the backend cannot run (None: everything is supported)."""
+    if getattr(module, "has_bias", False):
+        return "expert biases (has_bias=True)"
+    if getattr(module, "is_transposed", False):
+        return "transposed expert weights (is_transposed=True)"
+    if not getattr(module, "is_concatenated", True):
+        return "interleaved gate/up rows (is_concatenated=False)"
+    if getattr(module, "has_post_expert_norm", False):
+        return "a norm after each expert (has_post_expert_norm=True)"
+    if getattr(module, "_is_expert_parallel", False):
+        return "transformers' own expert parallelism (pass configure(group=...) instead)"
+    if module.has_gate:
+        default_gate = getattr(_transformers_moe(), "_default_apply_gate", None)
+        if getattr(type(module), "_apply_gate", default_gate) is not default_gate:
+            return f"a custom gate ({type(module).__name__}._apply_gate)"
+    act = getattr(module, "act_fn", None)
+    if not _is_silu(act):
+        return f"the activation {type(act).__name__} (only SiLU is supported)"
+    return None
+
+
+def _check_supported(module: nn.Module, name: str, argument: str) -> None:
+    if module.__dict__.get(_CHECKED_ATTR, False):
+        return
+    why = _unsupported(module)
+    if why is not None:
+        raise ValueError(
+            f"{argument}: the graphstash experts backend does not support {why} of "
+            f"{type(module).__name__} at {name!r}; keep experts_implementation='grouped_mm' "
+            "for this model")
+    module.__dict__[_CHECKED_ATTR] = True        # the forward checks once per module
+
+
+def _first_weight_name(module: nn.Module) -> str:
+    return "gate_up_proj" if module.has_gate else "up_proj"
+
+
+def _shard(module: nn.Module, name: str, group, world: int, rank: int) -> int:
+    """Replace the expert weights of ``module`` by this rank's slice; returns the first expert."""
+    E = module.num_experts
+    if E % world:
+        raise ValueError(f"group: the {E} experts of {name!r} do not split evenly over "
+                         f"{world} ranks")
+    local = E // world
+    previous = settings_of(module)
+    for pname in (_first_weight_name(module), "down_proj"):
+        p = getattr(module, pname)
+        if previous.world_size > 1:
+            if previous.world_size != world or previous.first_expert != rank * local:
+                raise ValueError(
+                    f"group: {name!r} is already sharded over {previous.world_size} ranks "
+                    f"(first expert {previous.first_expert}); build the model again to shard "
+                    f"it over {world}")
+            continue
+        if p.shape[0] != E:
+            raise ValueError(f"model: {name}.{pname} has {p.shape[0]} experts, expected "
+                             f"num_experts={E}")
+        shard = nn.Parameter(p.detach()[rank * local:(rank + 1) * local].clone(),
+                             requires_grad=p.requires_grad)
+        setattr(module, pname, shard)
+    return rank * local
+
+
+def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = True,
+              group=None) -> list[str]:
+    """Set how the ``"graphstash"`` experts backend runs the experts of ``model``.
+
+    Call it after ``model.set_experts_implementation("graphstash")`` (or loading with
+    ``experts_implementation="graphstash"``) and, with ``group``, before creating the optimizer.
+
+    Args:
+        model: a transformers model whose experts use the ``ExpertsInterface``.
+        capacity_factor: expert-parallel budget per rank, in units of the average rows a rank
+            receives (NOTE [experts budget]); on one GPU values above 1 change nothing.
+        stash: stash the experts' budget-sized activations through the current
+            :class:`~graphstash.StashManager` (the one ``graph_step(stash=...)`` provides).
+        group: ``torch.distributed`` process group for expert parallelism, or None. Every rank
+            must build the same full model (same initialisation or checkpoint); ``configure``
+            then keeps this rank's slice of ``gate_up_proj`` / ``down_proj`` (rank ``r`` owns
+            experts ``[r * E / W, (r + 1) * E / W)``) as new parameters, so gradients, optimizer
+            state and ``state_dict()`` hold the slice. Tokens travel through
+            ``dispatch(group=...)``; every rank must pass the same number of tokens per step.
+            The other parameters stay replicated: all-reduce their gradients as usual (DDP).
+
+    Returns the names of the experts modules configured. Raises ValueError when ``model`` has no
+    experts module, uses another experts implementation, or has experts the backend does not
+    support (see the module docstring). Example::
+
+        model.set_experts_implementation("graphstash")
+        gst.configure(model, capacity_factor=1.25, stash=True)
+    """
+    modules = experts_modules(model)
+    if not modules:
+        raise ValueError(f"model: no experts module found in {type(model).__name__} (expected "
+                         "a transformers MoE model whose experts use the ExpertsInterface, "
+                         "e.g. Qwen3-MoE, Mixtral, OLMoE)")
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+        raise TypeError(f"capacity_factor: expected a float, got {type(capacity_factor).__name__}")
+    if not math.isfinite(capacity_factor) or capacity_factor <= 0:
+        raise ValueError(f"capacity_factor: expected a finite float > 0, got {capacity_factor}")
+    if not isinstance(stash, bool):
+        raise TypeError(f"stash: expected a bool, got {type(stash).__name__}")
+    world, rank = 1, 0
+    if group is not None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("group: torch.distributed is not initialized; call "
+                             "init_process_group() first or pass group=None")
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+    for name, module in modules:
+        implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+        if implementation != IMPLEMENTATION:
+            raise ValueError(
+                f"model: the experts at {name!r} use experts_implementation={implementation!r}; "
+                f"call graphstash.integrations.transformers.register() and "
+                f"model.set_experts_implementation({IMPLEMENTATION!r}) before configure()")
+        _check_supported(module, name, "model")
+    _warn_bincount_aux_loss(model)
+    for name, module in modules:
+        first = _shard(module, name, group, world, rank) if world > 1 else 0
+        if world == 1 and settings_of(module).world_size > 1:
+            raise ValueError(f"group: {name!r} is already sharded over "
+                             f"{settings_of(module).world_size} ranks; pass that group again")
+        setattr(module, _SETTINGS_ATTR, ExpertsSettings(
+            capacity_factor=float(capacity_factor), stash=stash, group=group, world_size=world,
+            first_expert=first, name=name or "experts"))
+    return [name for name, _ in modules]
+
+
+def _warn_bincount_aux_loss(model: nn.Module) -> None:
+    """Warn when ``model`` computes its router auxiliary loss with ``torch.bincount`` (NOTE
+    [capture hazards in HF MoE models])."""
+    import inspect
+    import sys
+    import warnings
+
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False):
+        return
+    loss_fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    try:
+        source = inspect.getsource(loss_fn) if loss_fn is not None else ""
+    except (OSError, TypeError):
+        return
+    if "bincount" in source:
+        warnings.warn(
+            f"model: {type(model).__name__} has output_router_logits=True and this transformers "
+            "counts the router auxiliary loss with torch.bincount, which reads the counts back to "
+            "the host and stops a CUDA graph capture unless an attention_mask is passed: call "
+            "the model with attention_mask=torch.ones_like(input_ids) inside graph_step",
+            RuntimeWarning, stacklevel=3)
+
+
+def _expert_gemms_read_tail(permuted: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether a backward of the expert GEMMs here reads the rows past the live count (only the
+    masked dense fallback does), so a stash reload must zero them (NOTE [padding rows])."""
+    from ..moe.experts import reads_rows_past_counts
+
+    activation = permuted.new_empty(0, w2.shape[2])
+    return reads_rows_past_counts(permuted, w1) or reads_rows_past_counts(activation, w2)
+
+
+def _router_weights(top_k_weights: torch.Tensor, top_k_index: torch.Tensor,
+                    num_experts: int) -> torch.Tensor:
+    """``[T, K]`` router weights from HuggingFace's ``[T, K]`` or ``[T, num_experts]`` form."""
+    if top_k_weights.shape == top_k_index.shape:
+        return top_k_weights
+    if top_k_weights.dim() == 2 and tuple(top_k_weights.shape) == (top_k_index.shape[0],
+                                                                  num_experts):
+        return top_k_weights.gather(1, top_k_index.long())
+    raise ValueError(f"top_k_weights: expected shape {tuple(top_k_index.shape)} or "
+                     f"({top_k_index.shape[0]}, {num_experts}), got {tuple(top_k_weights.shape)}")
+
+
+def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"graphstash"`` experts function: ``out[t] = sum_k w[t, k] * expert_k(x[t])``.
+
+    Args:
+        self: the experts module (``gate_up_proj [E, 2 * ffn, hidden]`` or ``up_proj
+            [E, ffn, hidden]``, ``down_proj [E, hidden, ffn]``; under expert parallelism this
+            rank's slice, see :func:`configure`).
+        hidden_states: ``[T, hidden]`` tokens, floating, on the experts' device.
+        top_k_index: int ``[T, K]`` expert of each slot, same device.
+        top_k_weights: floating ``[T, K]`` (or ``[T, num_experts]``) router weights, same device.
+    Returns ``[T, hidden]`` in ``hidden_states``' dtype. Nothing is read back to the host
+    unless the step runs dropless (:func:`graphstash.dropless`, the graph manager's rerun).
+    Example (what transformers calls after ``set_experts_implementation("graphstash")``)::
+
+        out = experts_forward(experts, x, top_k_index, top_k_weights)
+    """
+    from .._mode import is_dropless
+    from ..moe import budget_rows, combine, dispatch, expert_mlp
+
+    settings = settings_of(self)
+    _check_supported(self, settings.name, "self")
+    w1 = getattr(self, _first_weight_name(self))
+    w2 = self.down_proj
+    E = self.num_experts
+    if w1.shape[0] * settings.world_size != E:
+        raise ValueError(
+            f"self: {settings.name} holds {w1.shape[0]} experts, expected "
+            f"{E // settings.world_size} (num_experts={E} over {settings.world_size} ranks); "
+            "configure(model, group=...) shards the full weights once")
+    T, K = top_k_index.shape
+    if T == 0:
+        return hidden_states.new_zeros(hidden_states.shape)
+    x = hidden_states.to(w1.dtype)
+    weights = _router_weights(top_k_weights, top_k_index, E).to(w1.dtype)
+    W = settings.world_size
+    factor = settings.capacity_factor if W > 1 else min(settings.capacity_factor, 1.0)
+    budget = budget_rows(T * W, K, E, capacity_factor=factor, world_size=W)  # NOTE [experts budget]
+    permuted, counts, handle = dispatch(x, top_k_index, weights, E, budget=budget,
+                                        group=settings.group)
+
+    def experts():
+        # The router weights scale the activation, so the combine sums unweighted rows; with
+        # the handle, one device keeps the tokens instead of the permuted rows (NOTE [expert
+        # MLP saved tensors], NOTE [regathered input] in graphstash/moe/mlp.py).
+        y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), gated=self.has_gate,
+                       handle=handle)
+        return combine(y, handle, weighted=False)
+
+    manager = None
+    if settings.stash and torch.is_grad_enabled() and not is_dropless():
+        from ..stash import current_manager
+
+        manager = current_manager()
+    if manager is None:
+        out = experts()
+    else:
+        from ..stash import stash_activations
+
+        with stash_activations(handle.live_rows, manager=manager, name=settings.name,
+                               max_tokens=handle.budget_rows,
+                               zero_tail=_expert_gemms_read_tail(permuted, w1, w2)):
+            out = experts()
+    return out.to(hidden_states.dtype)
