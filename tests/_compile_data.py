@@ -1,0 +1,94 @@
+"""Helpers of the torch.compile tests (CPU and GPU): operator checks, pool tensors, explain."""
+from __future__ import annotations
+
+import torch
+
+from graphstash import _layout as L
+from graphstash.models import MoEConfig, MoEModel
+
+from _moe_data import tokens
+
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
+                 "test_aot_dispatch_dynamic")
+
+
+def opcheck(entry, args, kwargs=None) -> None:
+    """``torch.library.opcheck`` of a graphstash operator entry point; every check passes."""
+    result = torch.library.opcheck(entry.op, args, kwargs or {}, test_utils=OPCHECK_TESTS)
+    assert result == {name: "SUCCESS" for name in OPCHECK_TESTS}
+
+
+def pool_tensors(gen, num_dev, num_host, page_rows, row_bytes, device="cpu", entries=256):
+    """The tensors of a fresh paged pool: pages hold random bytes (a page read before it is
+    written shows), rings hand out ids in order, the host tier is pinned on CUDA."""
+    page_bytes = page_rows * row_bytes
+    state = torch.zeros(L.STATE_SIZE, dtype=torch.int64)
+    state[L.ST_DEV_TAIL], state[L.ST_HOST_TAIL] = num_dev, num_host
+    host_pages = torch.randint(0, 256, (num_host, page_bytes), generator=gen, dtype=torch.uint8)
+    if torch.device(device).type == "cuda":
+        host_pages = host_pages.pin_memory()
+    return dict(
+        dev_pages=torch.randint(0, 256, (num_dev, page_bytes), generator=gen,
+                                dtype=torch.uint8).to(device),
+        host_pages=host_pages,
+        dev_ring=torch.arange(num_dev, dtype=torch.int32, device=device),
+        host_ring=torch.arange(num_dev, num_dev + num_host, dtype=torch.int32, device=device),
+        state=state.to(device), status=torch.zeros(L.STATUS_SIZE, dtype=torch.int32,
+                                                   device=device),
+        table=torch.zeros(entries, dtype=torch.int32, device=device))
+
+
+def stash_args(pool, src, counts, page_rows, offset) -> tuple:
+    """Arguments of ``graphstash._kernels.paged_stash.stash`` for ``pool_tensors``."""
+    p = pool
+    return (src, counts, p["dev_pages"], p["host_pages"], p["dev_ring"], p["host_ring"],
+            p["state"], p["status"], p["table"], page_rows, offset)
+
+
+def reload_args(pool, dst, page_rows, offset, zero_tail) -> tuple:
+    """Arguments of ``graphstash._kernels.paged_stash.reload`` for ``pool_tensors``."""
+    p = pool
+    return (dst, p["dev_pages"], p["host_pages"], p["dev_ring"], p["host_ring"], p["state"],
+            p["table"], page_rows, offset, zero_tail)
+
+
+def explain(fn, *args, **kwargs):
+    """``(graphs, graph breaks, break reasons, graphstash operators in the graphs)``."""
+    explanation = torch._dynamo.explain(fn)(*args, **kwargs)
+    reasons = [b.reason.splitlines()[0] for b in explanation.break_reasons]
+    ops = set()
+    for graph in explanation.graphs:        # autograd Functions are nested graph modules
+        for module in graph.modules():
+            if isinstance(module, torch.fx.GraphModule):
+                ops |= {str(n.target) for n in module.graph.nodes
+                        if n.op == "call_function" and str(n.target).startswith("graphstash.")}
+    return explanation.graph_count, explanation.graph_break_count, reasons, ops
+
+
+def budget_model(gated: bool, *, hidden=32, ffn=48, seed=0, device="cpu",
+                 dtype=torch.float32) -> MoEModel:
+    """A one-block budget-mode MoEModel (4 experts, top-2)."""
+    config = MoEConfig(hidden=hidden, ffn=ffn, num_experts=4, topk=2, layers=1,
+                       num_tokens=24, gated=gated)
+    return MoEModel(config, mode="budget", seed=seed).to(device, dtype)
+
+
+def compare_compiled(gen, gated, backend, *, steps=2, device="cpu", dtype=torch.float32,
+                     hidden=32, ffn=48, tokens_per_step=24, tol=1e-5, grad_tol=1e-4):
+    """A compiled budget-mode model (fullgraph: any graph break fails) against an eager one
+    from the same state_dict, over ``steps`` steps: outputs, input and parameter gradients."""
+    eager = budget_model(gated, hidden=hidden, ffn=ffn, seed=3, device=device, dtype=dtype)
+    compiled_model = budget_model(gated, hidden=hidden, ffn=ffn, seed=4, device=device,
+                                  dtype=dtype)
+    compiled_model.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_model, fullgraph=True, backend=backend)
+    for step in range(steps):
+        x = tokens(tokens_per_step, hidden, gen, offset=100 * step).to(device, dtype)
+        x_e, x_c = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_e, y_c = eager(x_e), compiled(x_c)
+        torch.testing.assert_close(y_c, y_e, atol=tol, rtol=tol)
+        y_e.float().pow(2).sum().backward()
+        y_c.float().pow(2).sum().backward()
+        torch.testing.assert_close(x_c.grad, x_e.grad, atol=tol, rtol=tol)
+        for (name, p), q in zip(eager.named_parameters(), compiled_model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, atol=grad_tol, rtol=grad_tol, msg=name)
