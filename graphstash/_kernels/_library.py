@@ -24,8 +24,8 @@ The launcher's annotations give the schema (``torch.library.infer_schema``: tens
 arguments with defaults), so they must be exact, the return annotation must be ``None``, and
 ``mutates_args`` must name every tensor the kernel writes. ``cpu`` takes the same arguments
 (wrap the reference if its signature differs), or is ``None`` where the oracle is not a
-kernel of the same shape (the operator then runs on CUDA only). Registration imports no CuPy and touches no
-GPU: the launcher imports CuPy on its first call.
+kernel of the same shape (the operator then runs on CUDA only). Registration imports no
+CuPy and touches no GPU: the launcher imports CuPy on its first call.
 
 NOTE [kernels as operators]: operators are defined with ``torch.library.Library`` /
 ``define`` / ``impl`` rather than ``torch.library.custom_op``: the dispatcher calls the
