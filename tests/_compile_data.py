@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 
 from graphstash import _layout as L
+from graphstash._kernels import experts as kernel_experts
+from graphstash._kernels import moe as kernel_moe
 from graphstash.models import MoEConfig, MoEModel
 
 from _moe_data import tokens
@@ -16,6 +18,45 @@ def opcheck(entry, args, kwargs=None) -> None:
     """``torch.library.opcheck`` of a graphstash operator entry point; every check passes."""
     result = torch.library.opcheck(entry.op, args, kwargs or {}, test_utils=OPCHECK_TESTS)
     assert result == {name: "SUCCESS" for name in OPCHECK_TESTS}
+
+
+def opcheck_moe_operators(gen, dtype, device="cpu", M=23, N=17, K=3, H=16) -> None:
+    """opcheck of gather_rows, combine_rows (with and without weights) and weight_grad on
+    fresh routing-shaped data; outputs start as 7s (a row left unwritten shows)."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    src = tokens(M, H, gen, dtype).to(device)
+    index = torch.randint(-1, M, (N,), generator=gen, dtype=torch.int32).to(device)
+    index2 = torch.randint(-1, M, (N, K), generator=gen, dtype=torch.int32).to(device)
+    weight = torch.rand(N, K, generator=gen, dtype=torch.float64).to(device, acc)
+    grad = tokens(N, H, gen, dtype, offset=100).to(device)
+    full = dict(dtype=dtype, device=device)
+    opcheck(kernel_moe.gather_rows, (torch.full((N, H), 7, **full), src, index))
+    for w in (weight, None):
+        opcheck(kernel_moe.combine_rows, (torch.full((N, H), 7, **full), src, index2, w))
+    opcheck(kernel_moe.weight_grad, (torch.full((N * K,), 7, dtype=acc, device=device), grad,
+                                     src, index2))
+
+
+def opcheck_expert_operators(gen, dtype, gated, device="cpu", rows=21, ffn=16) -> None:
+    """opcheck of act_forward and act_backward (with and without router weights and the
+    router-weight gradient) on fresh pre-activations, ``live`` inside the rows."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    width = 2 * ffn if gated else ffn
+    pre = (torch.randn(rows, width, generator=gen, dtype=torch.float64) * 2).to(device, dtype)
+    row_weight = torch.rand(rows, generator=gen, dtype=torch.float64).to(device, dtype)
+    grad_out = torch.randn(rows, ffn, generator=gen, dtype=torch.float64).to(device, dtype)
+    live = torch.randint(1, rows, (1,), generator=gen).to(device)
+    for weight in (row_weight, None):
+        for zero_tail in (False, True):
+            flags = dict(gated=gated, zero_tail=zero_tail)
+            opcheck(kernel_experts.act_forward,
+                    (torch.full((rows, ffn), 7, dtype=dtype, device=device), pre, weight, live),
+                    flags)
+            grad_row = (torch.full((rows,), 7, dtype=acc, device=device)
+                        if weight is not None else None)
+            opcheck(kernel_experts.act_backward,
+                    (torch.full((rows, width), 7, dtype=dtype, device=device), grad_row,
+                     grad_out, pre, weight, live), flags)
 
 
 def pool_tensors(gen, num_dev, num_host, page_rows, row_bytes, device="cpu", entries=256):

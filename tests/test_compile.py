@@ -15,18 +15,21 @@ import pytest
 import torch
 
 from graphstash import _layout as L
+from graphstash._kernels import experts as kernel_experts
 from graphstash._kernels import moe as kernel_moe
 from graphstash._kernels import paged_stash as kernel_paged
 from graphstash.moe.dispatch import check_routing
 from graphstash.reference import moe as ref_moe
 
-from _compile_data import (budget_model, compare_compiled, explain, opcheck, pool_tensors,
+from _compile_data import (budget_model, compare_compiled, explain, opcheck,
+                           opcheck_expert_operators, opcheck_moe_operators, pool_tensors,
                            reload_args, stash_args)
 from _data import pattern
 from _moe_data import routing, tokens
 
 # the module (graphstash.moe.dispatch is also the name of the function)
 dispatch_module = importlib.import_module("graphstash.moe.dispatch")
+mlp_module = importlib.import_module("graphstash.moe.mlp")
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +44,7 @@ def test_importing_graphstash_imports_no_cupy():
     code = ("import sys, torch\n"
             "import graphstash, graphstash.models, graphstash.moe, graphstash.paging\n"
             "import graphstash._kernels.moe, graphstash._kernels.paged_stash\n"
+            "import graphstash._kernels.experts\n"
             "assert 'cupy' not in sys.modules, 'cupy was imported'\n"
             "assert not torch.cuda.is_initialized(), 'CUDA was initialised'\n"
             "print(sorted(n for n in dir(torch.ops.graphstash) if not n.startswith('_')))\n")
@@ -48,23 +52,18 @@ def test_importing_graphstash_imports_no_cupy():
                          timeout=120)
     assert run.returncode == 0, run.stderr
     names = set(eval(run.stdout.strip().splitlines()[-1]))
-    assert {"gather_rows", "combine_rows", "weight_grad", "paged_stash",
-            "paged_reload"} <= names
+    assert {"gather_rows", "combine_rows", "weight_grad", "route_local", "act_forward",
+            "act_backward", "paged_stash", "paged_reload"} <= names
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_moe_operators_pass_opcheck(gen, dtype):
-    M, N, K, H = 23, 17, 3, 12
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    src = tokens(M, H, gen, dtype)
-    index = torch.randint(-1, M, (N,), generator=gen, dtype=torch.int32)
-    index2 = torch.randint(-1, M, (N, K), generator=gen, dtype=torch.int32)
-    weight = torch.rand(N, K, generator=gen, dtype=torch.float64).to(acc)
-    grad = tokens(N, H, gen, dtype, offset=100)
-    opcheck(kernel_moe.gather_rows, (torch.full((N, H), 7, dtype=dtype), src, index))
-    for w in (weight, None):
-        opcheck(kernel_moe.combine_rows, (torch.full((N, H), 7, dtype=dtype), src, index2, w))
-    opcheck(kernel_moe.weight_grad, (torch.full((N * K,), 7, dtype=acc), grad, src, index2))
+    opcheck_moe_operators(gen, dtype)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_expert_operators_pass_opcheck(gen, gated):
+    opcheck_expert_operators(gen, torch.float32, gated)
 
 
 def test_moe_operators_write_what_the_reference_writes(gen):
@@ -135,14 +134,12 @@ def test_operators_compile_with_their_writes(gen):
 # ---- a budget-mode MoE block --------------------------------------------------------------
 @pytest.fixture(params=["reference", "operators"])
 def moe_ops(request, monkeypatch):
-    """Which kernels dispatch/combine call on the CPU: the reference backend (what runs on a
-    CPU), or the graphstash operators with their CPU kernels (the structure the GPU runs:
-    autograd Functions around mutating operators)."""
+    """Which kernels dispatch, combine and the expert activation call on the CPU: the
+    reference backend (what runs on a CPU), or the graphstash operators with their CPU
+    kernels (the structure the GPU runs: autograd Functions around mutating operators)."""
     if request.param == "operators":
-        def ops(backend, device):
-            return "cupy", kernel_moe
-
-        monkeypatch.setattr(dispatch_module, "_ops", ops)
+        monkeypatch.setattr(dispatch_module, "_ops", lambda backend, device: ("cupy", kernel_moe))
+        monkeypatch.setattr(mlp_module, "_ops", lambda device: kernel_experts)
     return request.param
 
 
@@ -152,8 +149,9 @@ def test_explain_budget_moe_block_has_no_graph_breaks(gen, gated, moe_ops):
     x = tokens(24, 32, gen).requires_grad_()
     graphs, breaks, reasons, ops = explain(model.blocks[0], x, mode="budget")
     assert (graphs, breaks, reasons) == (1, 0, [])
-    moves = {"graphstash.gather_rows.default", "graphstash.combine_rows.default"}
-    assert ops == (moves if moe_ops == "operators" else set())
+    expected = {f"graphstash.{name}.default" for name in
+                ("gather_rows", "combine_rows", "act_forward", "act_backward")}
+    assert ops == (expected if moe_ops == "operators" else set())
 
 
 @pytest.mark.parametrize("gated", [pytest.param(False, marks=pytest.mark.slow), True])

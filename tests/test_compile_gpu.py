@@ -10,7 +10,8 @@ from graphstash import _layout as L
 from graphstash._kernels import moe as kernel_moe
 from graphstash._kernels import paged_stash as kernel_paged
 
-from _compile_data import (budget_model, compare_compiled, explain, opcheck, pool_tensors,
+from _compile_data import (budget_model, compare_compiled, explain, opcheck,
+                           opcheck_expert_operators, opcheck_moe_operators, pool_tensors,
                            reload_args, stash_args)
 from _data import pattern
 from _moe_data import tokens
@@ -27,19 +28,29 @@ def _fresh_dynamo():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_moe_operators_pass_opcheck_on_gpu(gen, dtype):
-    M, N, K, H = 97, 61, 3, 64
-    acc = torch.float32
-    src = tokens(M, H, gen, dtype).cuda()
-    index = torch.randint(-1, M, (N,), generator=gen, dtype=torch.int32).cuda()
-    index2 = torch.randint(-1, M, (N, K), generator=gen, dtype=torch.int32).cuda()
-    weight = torch.rand(N, K, generator=gen).to("cuda", acc)
-    grad = tokens(N, H, gen, dtype, offset=100).cuda()
-    full = dict(dtype=dtype, device="cuda")
-    opcheck(kernel_moe.gather_rows, (torch.full((N, H), 7, **full), src, index))
-    for w in (weight, None):
-        opcheck(kernel_moe.combine_rows, (torch.full((N, H), 7, **full), src, index2, w))
-    opcheck(kernel_moe.weight_grad, (torch.full((N * K,), 7, dtype=acc, device="cuda"), grad,
-                                     src, index2))
+    opcheck_moe_operators(gen, dtype, "cuda", M=97, N=61, H=64)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_expert_operators_pass_opcheck_on_gpu(gen, dtype, gated):
+    opcheck_expert_operators(gen, dtype, gated, "cuda", rows=37, ffn=64)
+
+
+def test_routing_operator_passes_opcheck_on_gpu(gen):
+    T, K, E, R = 40, 2, 4, 96
+    idx = torch.rand(T, E, generator=gen).topk(K, dim=1).indices.to("cuda", torch.int32)
+
+    def i32(*shape):
+        return torch.full(shape, 7, dtype=torch.int32, device="cuda")
+
+    outputs = dict(slot_of_pair=i32(T, K), pair_of_slot=i32(R), token_of_slot=i32(R),
+                   tokens_per_expert=i32(E), live_rows=i32(1),
+                   demand_rows=torch.full((1,), 7, dtype=torch.int64, device="cuda"),
+                   over_budget=torch.ones(1, dtype=torch.bool, device="cuda"),
+                   bad_index=torch.ones(1, dtype=torch.bool, device="cuda"))
+    status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device="cuda")
+    opcheck(kernel_moe.route_local, (idx, E, R, None, status), outputs)
 
 
 def test_paged_operators_on_gpu_equal_their_cpu_kernels(gen):
@@ -77,7 +88,9 @@ def test_explain_budget_moe_block_on_gpu_has_no_graph_breaks(gen, gated):
     x = tokens(24, 64, gen, torch.bfloat16).cuda().requires_grad_()
     graphs, breaks, reasons, ops = explain(model.blocks[0], x, mode="budget")
     assert (graphs, breaks, reasons) == (1, 0, [])
-    assert {"graphstash.gather_rows.default", "graphstash.combine_rows.default"} <= ops
+    expected = {f"graphstash.{name}.default" for name in
+                ("route_local", "gather_rows", "combine_rows", "act_forward", "act_backward")}
+    assert expected <= ops
 
 
 @pytest.mark.parametrize("gated", [False, True])
