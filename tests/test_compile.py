@@ -178,3 +178,27 @@ def test_compiled_routing_check_raises_on_bad_expert(gen):
     bad[5, 1] = 4
     with pytest.raises(RuntimeError, match=r"topk_idx: expected expert indices in \[0, 4\)"):
         compiled(bad)
+
+
+def test_compiled_grouped_mm_flags_bad_host_counts(gen):
+    """Traced, host counts are graph values: bad ones flag the status and empty every group
+    (NOTE [expert counts]) instead of a host read."""
+    from graphstash.moe import grouped_mm
+
+    x = tokens(20, 16, gen)
+    w = torch.randn(3, 8, 16, generator=gen)
+
+    def f(x, w, counts, status):
+        return grouped_mm(x, w, counts, status=status)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    good = torch.tensor([7, 0, 9])
+    status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32)
+    got = compiled(x, w, good, status)
+    want = f(x, w, good, torch.zeros(L.STATUS_SIZE, dtype=torch.int32))
+    torch.testing.assert_close(got[:16], want[:16], atol=1e-5, rtol=1e-5)
+    assert int(status[L.SS_OVERFLOW]) == 0
+    for bad in (torch.tensor([7, -1, 9]), torch.tensor([7, 10, 9])):
+        status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32)
+        compiled(x, w, bad, status)
+        assert int(status[L.SS_OVERFLOW]) & L.OVERFLOW_COUNT

@@ -52,7 +52,8 @@ __all__ = ["grouped_mm", "grouped_mm_grads", "reads_rows_past_counts", "resolve_
 # reruns the step), and the offsets the GEMMs use (already a per-call tensor) are zeroed in
 # place, so every group is empty and nothing outside x is touched (the Triton GEMM clamps the
 # counts itself: NOTE [triton grouped GEMM]); the output is then unspecified. No host read, no
-# allocation beyond the scalars.
+# allocation beyond the scalars. While torch.compile traces, counts are values of the graph
+# wherever they live, so host counts take the device path too (:func:`_counts_readable`).
 
 _eager_ok: dict[tuple, bool] = {}
 _capture_ok: dict[tuple, bool] = {}
@@ -363,10 +364,15 @@ def _host_counts(tokens_per_expert: torch.Tensor, rows: int) -> list[int]:
     return counts
 
 
+def _counts_readable(tokens_per_expert: torch.Tensor) -> bool:
+    """Whether the counts are checked by reading them (host counts, not being traced)."""
+    return tokens_per_expert.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _bad_counts(tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor | None:
     """0-dim bool on the device: some count is negative or they sum past ``rows``; None for
     counts on the host (checked eagerly). NOTE [expert counts]"""
-    if tokens_per_expert.device.type == "cpu":
+    if _counts_readable(tokens_per_expert):
         return None
     return (tokens_per_expert.min() < 0) | (tokens_per_expert.sum() > rows)
 
@@ -429,7 +435,7 @@ def _check_grouped_args(x, weight, tokens_per_expert) -> None:
                          f"{describe(tokens_per_expert)}")
     if weight.shape[0] == 0:
         raise ValueError(f"weight: expected at least one expert, got {describe(weight)}")
-    if tokens_per_expert.device.type == "cpu":       # NOTE [expert counts]
+    if _counts_readable(tokens_per_expert):          # NOTE [expert counts]
         _host_counts(tokens_per_expert, x.shape[0])
 
 
