@@ -81,19 +81,6 @@ class _Pool:
     ring_init: torch.Tensor    # int64 [4] fresh (dev head, dev tail, host head, host tail)
     page_rows: int
     page_bytes: int
-    kernel_args: tuple = ()    # the pool's part of the CuPy launch arguments (CuPy backend)
-
-    @property
-    def dev_pages_ptr(self) -> int:
-        return self.dev_pages.data_ptr()
-
-    @property
-    def host_pages_ptr(self) -> int:
-        return self.host_pages.data_ptr()
-
-    @property
-    def table_ptr(self) -> int:
-        return self.table.data_ptr()
 
     @property
     def num_dev(self) -> int:
@@ -366,8 +353,6 @@ class PagedStashBuffer:
             page_rows=P,
             page_bytes=P * self._row_bytes,
         )
-        if self._backend == "cupy":
-            self._pool.kernel_args = _cupy_paged.pool_kernel_args(self._pool)
         self._slots = _RecordSlots(entries)
         self._init_rings(clear_peaks=True)
 
@@ -505,12 +490,14 @@ class PagedStashBuffer:
                 "or reset() outstanding handles, or pass a larger record_entries")
         try:
             self._order_before(capturing)
+            src = _dense(x).view(torch.uint8).view(S, cap, self._row_bytes)
+            p = self._pool
             if self._backend == "cupy":
-                _cupy_paged.paged_stash(self._pool, x.data_ptr(), S, cap, self._row_bytes, counts,
-                                        offset, self._device.index, max_blocks)
+                _cupy_paged.stash(src, counts, p.dev_pages, p.host_pages, p.dev_ring,
+                                  p.host_ring, p.state, p.status, p.table, p.page_rows, offset,
+                                  max_blocks)
             else:
-                src = _dense(x).view(torch.uint8).view(S, cap, self._row_bytes)
-                _reference.stash(self._pool, src, counts, offset)
+                _reference.stash(p, src, counts, offset)
         except BaseException:
             self._slots.free(offset, length)     # no handle holds the slot: give it back
             raise
@@ -552,14 +539,14 @@ class PagedStashBuffer:
             self._check_out(out, handle)
         capturing = self._check_backend_capturable("reload")
         self._order_before(capturing)
+        dst = _dense(out).view(torch.uint8).view(handle.num_segments, handle.rows_per_segment,
+                                                 self._row_bytes)
+        p = self._pool
         if self._backend == "cupy":
-            _cupy_paged.paged_reload(self._pool, out.data_ptr(), handle.num_segments,
-                                     handle.rows_per_segment, self._row_bytes, handle._offset,
-                                     zero_tail, self._device.index, max_blocks)
+            _cupy_paged.reload(dst, p.dev_pages, p.host_pages, p.dev_ring, p.host_ring, p.state,
+                               p.table, p.page_rows, handle._offset, zero_tail, max_blocks)
         else:
-            dst = _dense(out).view(torch.uint8).view(handle.num_segments,
-                                                     handle.rows_per_segment, self._row_bytes)
-            _reference.reload(self._pool, dst, handle._offset, zero_tail)
+            _reference.reload(p, dst, handle._offset, zero_tail)
         self._order_after(capturing)
         handle._reloaded = True
         handle._finalizer.detach()

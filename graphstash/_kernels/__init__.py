@@ -53,8 +53,13 @@ def _import_cupy():
     return cupy
 
 
+@torch.compiler.assume_constant_result
 def availability() -> tuple[bool, str]:
-    """Whether the CuPy kernels can run here, and why (or why not). Never raises."""
+    """Whether the CuPy kernels can run here, and why (or why not). Never raises.
+
+    While ``torch.compile`` traces, the answer is computed eagerly and kept as a constant of
+    the graph (asking CuPy is not something a graph can hold).
+    """
     if not torch.cuda.is_available():
         return False, "torch sees no CUDA device"
     try:

@@ -2,14 +2,18 @@
 
 Same contracts as :mod:`graphstash.reference.experts` (the oracle): every function writes into
 caller-allocated outputs on torch's current stream, reads the live row count on the device,
-reads nothing back to the host and allocates nothing.
+reads nothing back to the host and allocates nothing. Each is the operator
+``torch.ops.graphstash.<name>`` (NOTE [kernels as operators] in ``_library.py``), with the
+reference as its CPU kernel.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from ..reference import experts as _reference
 from . import THREADS, launch, ptr, register_source
+from ._library import kernel_op
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32",
                 torch.float64: "f64"}
@@ -35,9 +39,9 @@ def _check_live(live: torch.Tensor) -> None:
                          f"{tuple(live.shape)}")
 
 
-def act_forward(out: torch.Tensor, pre: torch.Tensor, row_weight: torch.Tensor | None,
-                live: torch.Tensor, *, gated: bool, activation: str = "silu",
-                zero_tail: bool = False) -> None:
+def _act_forward(out: torch.Tensor, pre: torch.Tensor, row_weight: torch.Tensor | None,
+                 live: torch.Tensor, *, gated: bool, activation: str = "silu",
+                 zero_tail: bool = False) -> None:
     """Launch ``gs_expert_act_fwd_*`` (arguments as :func:`graphstash.reference.experts.act_forward`;
     ``live`` is int64 ``[1]``; every tensor contiguous, on one device)."""
     rows, ffn = out.shape
@@ -51,9 +55,10 @@ def act_forward(out: torch.Tensor, pre: torch.Tensor, row_weight: torch.Tensor |
     launch("moe_experts", name, -(-rows // _WARPS), out.device.index, args)
 
 
-def act_backward(grad_pre: torch.Tensor, grad_row: torch.Tensor | None, grad_out: torch.Tensor,
-                 pre: torch.Tensor, row_weight: torch.Tensor | None, live: torch.Tensor, *,
-                 gated: bool, activation: str = "silu", zero_tail: bool = False) -> None:
+def _act_backward(grad_pre: torch.Tensor, grad_row: torch.Tensor | None,
+                  grad_out: torch.Tensor, pre: torch.Tensor, row_weight: torch.Tensor | None,
+                  live: torch.Tensor, *, gated: bool, activation: str = "silu",
+                  zero_tail: bool = False) -> None:
     """Launch ``gs_expert_act_bwd_*`` (arguments as
     :func:`graphstash.reference.experts.act_backward`; ``live`` is int64 ``[1]``)."""
     rows, ffn = grad_out.shape
@@ -66,3 +71,9 @@ def act_backward(grad_pre: torch.Tensor, grad_row: torch.Tensor | None, grad_out
     args = (ptr(grad_pre), rptr, ptr(grad_out), ptr(pre), wptr, ptr(live), np.int64(rows),
             np.int64(ffn), np.int32(bool(zero_tail)))
     launch("moe_experts", name, -(-rows // _WARPS), grad_pre.device.index, args)
+
+
+act_forward = kernel_op("act_forward", _act_forward, mutates_args=("out",),
+                        cpu=_reference.act_forward)
+act_backward = kernel_op("act_backward", _act_backward, mutates_args=("grad_pre", "grad_row"),
+                         cpu=_reference.act_backward)

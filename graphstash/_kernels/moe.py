@@ -2,14 +2,18 @@
 
 Same contracts as :mod:`graphstash.reference.moe` (the oracle): every function writes into
 ``out`` (allocated by the caller with a static shape) on torch's current stream, reads
-nothing back to the host and allocates nothing.
+nothing back to the host and allocates nothing. Each is the operator
+``torch.ops.graphstash.<name>`` (NOTE [kernels as operators] in ``_library.py``), with the
+reference as its CPU kernel (``route_local``: CUDA only).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from ..reference import moe as _reference
 from . import THREADS, VECTOR_WIDTHS, launch, ptr, register_source, vector_width
+from ._library import kernel_op
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32",
                 torch.float64: "f64"}
@@ -27,7 +31,7 @@ def _blocks(elements: int) -> int:
     return max(1, -(-elements // THREADS))
 
 
-def gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+def _gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
     """Launch ``gs_moe_gather_v*``: ``out[i] = src[index[i]]`` (zero where ``index[i] < 0``)."""
     rows_out = out.shape[0]
     row_bytes = out[0].numel() * out.element_size() if rows_out else 0
@@ -41,7 +45,7 @@ def gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> No
            out.device.index, args)
 
 
-def combine_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
+def _combine_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
                  weight: torch.Tensor | None) -> None:
     """Launch ``gs_moe_combine_*``: ``out[i] = sum_k weight[i, k] * src[index[i, k]]``."""
     rows_out, hidden = out.shape
@@ -59,7 +63,7 @@ def combine_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
            out.device.index, args)
 
 
-def weight_grad(out: torch.Tensor, grad: torch.Tensor, src: torch.Tensor,
+def _weight_grad(out: torch.Tensor, grad: torch.Tensor, src: torch.Tensor,
                 index: torch.Tensor) -> None:
     """Launch ``gs_moe_weight_grad_*``: ``out[p] = <grad[p // K], src[index[p]]>``."""
     T, K = index.shape
@@ -88,12 +92,12 @@ def route_fits(num_experts: int) -> bool:
     return _WARPS * (num_experts + 1) * 4 <= _SMEM_LIMIT
 
 
-def route_local(topk_idx: torch.Tensor, num_experts: int, budget_rows: int,
-                pad_multiple: int | None, status: torch.Tensor | None, *,
-                slot_of_pair: torch.Tensor, pair_of_slot: torch.Tensor,
-                token_of_slot: torch.Tensor, tokens_per_expert: torch.Tensor,
-                live_rows: torch.Tensor, demand_rows: torch.Tensor, over_budget: torch.Tensor,
-                bad_index: torch.Tensor) -> None:
+def _route_local(topk_idx: torch.Tensor, num_experts: int, budget_rows: int,
+                 pad_multiple: int | None, status: torch.Tensor | None, *,
+                 slot_of_pair: torch.Tensor, pair_of_slot: torch.Tensor,
+                 token_of_slot: torch.Tensor, tokens_per_expert: torch.Tensor,
+                 live_rows: torch.Tensor, demand_rows: torch.Tensor, over_budget: torch.Tensor,
+                 bad_index: torch.Tensor) -> None:
     """Launch the three routing kernels: the plan :func:`graphstash.moe._routing.plan_local`
     computes, into the given outputs (int32 ``[T, K]``, ``[R]``, ``[R]``, ``[E]``, ``[1]``;
     int64 ``[1]``; bool ``[1]``, ``[1]``), and, given a status, the flags dispatch raises.
@@ -101,6 +105,9 @@ def route_local(topk_idx: torch.Tensor, num_experts: int, budget_rows: int,
     Args:
         topk_idx: int32/int64 ``[T, K]`` contiguous expert ids on the device.
         status: int32 ``[8]`` status or ``None``.
+
+    CUDA only: the operator has no CPU kernel (on the CPU, ``plan_local``'s torch path, its
+    oracle, builds the plan).
     """
     T, K = topk_idx.shape
     pairs = T * K
@@ -125,3 +132,15 @@ def route_local(topk_idx: torch.Tensor, num_experts: int, budget_rows: int,
            (ptr(topk_idx), np.int64(pairs), np.int32(K), np.int32(E), ptr(counts),
             np.int64(chunks), ptr(offs), np.int64(budget_rows), ptr(slot_of_pair),
             ptr(pair_of_slot), ptr(token_of_slot)), shared_mem=smem)
+
+
+gather_rows = kernel_op("gather_rows", _gather_rows, mutates_args=("out",),
+                        cpu=_reference.gather_rows)
+combine_rows = kernel_op("combine_rows", _combine_rows, mutates_args=("out",),
+                         cpu=_reference.combine_rows)
+weight_grad = kernel_op("weight_grad", _weight_grad, mutates_args=("out",),
+                        cpu=_reference.weight_grad)
+route_local = kernel_op(
+    "route_local", _route_local, cpu=None,
+    mutates_args=("status", "slot_of_pair", "pair_of_slot", "token_of_slot",
+                  "tokens_per_expert", "live_rows", "demand_rows", "over_budget", "bad_index"))

@@ -178,9 +178,21 @@ def check_routing(topk_idx: torch.Tensor, num_experts: int) -> None:
 
     Reads the indices back to the host (a sync): :func:`dispatch` calls it itself only for
     CPU tensors and in dropless mode; on the GPU with a budget, out-of-range pairs are
-    dropped on the device and flagged in ``status[SS_OVERFLOW]`` instead.
+    dropped on the device and flagged in ``status[SS_OVERFLOW]`` instead. While
+    ``torch.compile`` traces, the check becomes a graph op (NOTE [routing check under
+    torch.compile]).
     """
     if topk_idx.numel() == 0:
+        return
+    if torch.compiler.is_compiling():
+        # NOTE [routing check under torch.compile]: the eager check reads the indices back
+        # (a graph break). Traced, it is ``torch._assert_async``: it stays in the graph,
+        # reads nothing back while tracing, and raises RuntimeError with this message when
+        # the compiled code runs on bad indices (a graph op cannot raise ValueError, nor
+        # name the bad value).
+        in_range = ((topk_idx >= 0) & (topk_idx < num_experts)).all()
+        torch._assert_async(in_range, f"topk_idx: expected expert indices in "
+                                      f"[0, {num_experts}) (num_experts={num_experts})")
         return
     lo, hi = int(topk_idx.min()), int(topk_idx.max())
     if lo < 0 or hi >= num_experts:

@@ -52,10 +52,12 @@ __all__ = ["grouped_mm", "grouped_mm_grads", "reads_rows_past_counts", "resolve_
 # reruns the step), and the offsets the GEMMs use (already a per-call tensor) are zeroed in
 # place, so every group is empty and nothing outside x is touched (the Triton GEMM clamps the
 # counts itself: NOTE [triton grouped GEMM]); the output is then unspecified. No host read, no
-# allocation beyond the scalars. A dispatch's tokens_per_expert are valid by construction
-# (padded, clamped to the budget): expert_mlp given that dispatch's handle passes TRUSTED and
-# runs no check, so a layer's four grouped products launch no extra kernels for it; other
-# counts are checked once per expert_mlp call and the result reused by all four.
+# allocation beyond the scalars. While torch.compile traces, counts are values of the graph
+# wherever they live, so host counts take the device path too (:func:`_counts_readable`).
+# A dispatch's tokens_per_expert are valid by construction (padded, clamped to the budget):
+# expert_mlp given that dispatch's handle passes TRUSTED and runs no check, so a layer's four
+# grouped products launch no extra kernels for it; other counts are checked once per
+# expert_mlp call and the result reused by all four.
 
 _eager_ok: dict[tuple, bool] = {}
 _capture_ok: dict[tuple, bool] = {}
@@ -90,10 +92,16 @@ def _masked_dense(x, weight, tokens_per_expert, bad=None):
 def _layout_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Rows and weights laid out as the CUTLASS path needs: unit inner stride, 16-byte rows
     and base pointers (checked for every call: a view can break what the probe saw)."""
+    return (_strides_ok(x, weight)
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+
+
+def _strides_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The part of :func:`_layout_ok` fixed by shapes and strides (no addresses)."""
     size = x.element_size()
     return (x.stride(1) == 1 and (x.stride(0) * size) % 16 == 0
             and (x.shape[1] * size) % 16 == 0 and (weight.shape[1] * size) % 16 == 0
-            and weight.is_contiguous() and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+            and weight.is_contiguous())
 
 
 def _fast_path_device(device: torch.device, dtype: torch.dtype) -> bool:
@@ -112,6 +120,9 @@ def _key(device: torch.device, dtype: torch.dtype) -> tuple:
 
 def _native_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch._grouped_mm may run here, now (NOTE [grouped_mm under capture])."""
+    if torch.compiler.is_compiling():
+        return (hasattr(torch, "_grouped_mm") and _strides_ok(x, weight)
+                and _traced_native_ok(x.device.type, x.device.index, str(x.dtype)))
     if not hasattr(torch, "_grouped_mm") or not _layout_ok(x, weight):
         return False
     key = _key(x.device, x.dtype)
@@ -124,7 +135,10 @@ def _native_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _auto(x: torch.Tensor, weight: torch.Tensor) -> str:
-    """What ``impl="auto"`` runs here, now (NOTE [grouped_mm under capture])."""
+    """What ``impl="auto"`` runs here, now (NOTE [grouped_mm under capture], NOTE
+    [grouped_mm under torch.compile])."""
+    if torch.compiler.is_compiling():
+        return "grouped" if _native_ok(x, weight) else "masked"
     native = _native_ok(x, weight)
     if not is_capturing():
         if x.device.type == "cuda" and not (
@@ -146,6 +160,25 @@ def _auto(x: torch.Tensor, weight: torch.Tensor) -> str:
             "masked dense fallback (num_experts times the work). Run one eager step before "
             "capturing (graph_step's warmup does).", RuntimeWarning, stacklevel=4)
     return "masked"
+
+
+# NOTE [grouped_mm under torch.compile]
+# A traced graph may be replayed inside a CUDA graph capture later (graph_step, or
+# torch.compile's own cudagraphs), and tracing cannot run the probes (they need real tensors
+# and, for the capture fact, a throwaway capture). So while torch.compile traces, "auto"
+# picks the native op only where the *capture* fact holds, and the masked dense product
+# elsewhere (never the loop: it reads the counts back, a graph break; the Triton grouped
+# GEMM is not offered to the compiler yet). The facts are established by running the probes
+# once, eagerly, at trace time (``assume_constant_result`` makes the answer a constant of
+# the graph). Addresses are not known while tracing, so only the shape and stride half of
+# the layout check applies; the compiler's buffers and parameters are 16-byte aligned.
+@torch.compiler.assume_constant_result
+def _traced_native_ok(device_type: str, device_index, dtype_name: str) -> bool:
+    """The capture fact for (device, dtype) as a trace-time constant (NOTE [grouped_mm under
+    torch.compile]); ``dtype_name`` is ``str(dtype)``, e.g. ``"torch.bfloat16"``."""
+    dtype = getattr(torch, dtype_name.rpartition(".")[2])
+    device = torch.device(device_type, device_index)
+    return _probe(device, dtype)[1]
 
 
 def _probe(device, dtype: torch.dtype) -> tuple[bool, bool]:
@@ -347,10 +380,15 @@ def _host_counts(tokens_per_expert: torch.Tensor, rows: int) -> list[int]:
     return counts
 
 
+def _counts_readable(tokens_per_expert: torch.Tensor) -> bool:
+    """Whether the counts are checked by reading them (host counts, not being traced)."""
+    return tokens_per_expert.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _bad_counts(tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor | None:
     """0-dim bool on the device: some count is negative or they sum past ``rows``; None for
     counts on the host (checked eagerly). NOTE [expert counts]"""
-    if tokens_per_expert.device.type == "cpu":
+    if _counts_readable(tokens_per_expert):
         return None
     return (tokens_per_expert.min() < 0) | (tokens_per_expert.sum() > rows)
 
@@ -413,7 +451,7 @@ def _check_grouped_args(x, weight, tokens_per_expert) -> None:
                          f"{describe(tokens_per_expert)}")
     if weight.shape[0] == 0:
         raise ValueError(f"weight: expected at least one expert, got {describe(weight)}")
-    if tokens_per_expert.device.type == "cpu":       # NOTE [expert counts]
+    if _counts_readable(tokens_per_expert):          # NOTE [expert counts]
         _host_counts(tokens_per_expert, x.shape[0])
 
 
