@@ -18,7 +18,7 @@ from graphstash import _layout as L
 from graphstash._kernels import experts as kernel_experts
 from graphstash._kernels import moe as kernel_moe
 from graphstash._kernels import paged_stash as kernel_paged
-from graphstash.moe.dispatch import check_routing
+from graphstash.moe import check_routing
 from graphstash.reference import moe as ref_moe
 
 from _compile_data import (budget_model, compare_compiled, explain, opcheck,
@@ -27,8 +27,8 @@ from _compile_data import (budget_model, compare_compiled, explain, opcheck,
 from _data import pattern
 from _moe_data import routing, tokens
 
-# the module (graphstash.moe.dispatch is also the name of the function)
-dispatch_module = importlib.import_module("graphstash.moe.dispatch")
+# the module behind graphstash.moe.dispatch()
+dispatch_module = importlib.import_module("graphstash.moe._dispatch")
 mlp_module = importlib.import_module("graphstash.moe.mlp")
 
 

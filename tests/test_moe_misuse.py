@@ -92,3 +92,22 @@ def test_device_count_check_flags_and_empties_every_group(gen, counts, flagged):
         assert torch.equal(out, torch.zeros(R, N))    # every group empty: nothing computed
     else:
         torch.testing.assert_close(out, torch.cat([x[:12] @ w[0].t(), x[12:] @ w[2].t()]))
+
+
+def test_masked_fallback_inside_zero_tail_false_is_refused(gen):
+    """Issue: zero_tail=False around experts whose backward reads the padding rows gave NaN
+    parameters with no flag. The masked fallback now refuses it, naming zero_tail; the native
+    and loop products, which read only rows inside the counts, are allowed."""
+    from graphstash.stash import StashConfig, StashManager, stash_activations
+
+    x = torch.randn(16, 8, generator=gen)
+    w1, w2 = torch.randn(2, 12, 8, generator=gen), torch.randn(2, 8, 12, generator=gen)
+    counts = torch.tensor([5, 7], dtype=torch.int32)
+    manager = StashManager(StashConfig(min_tensor_bytes=0), device="cpu")
+    n = torch.tensor([12], dtype=torch.int32)
+    with stash_activations(n, manager=manager, zero_tail=False, max_tokens=16):
+        with pytest.raises(ValueError, match="zero_tail"):
+            expert_mlp(x, w1, w2, counts, impl="masked")
+        expert_mlp(x, w1, w2, counts, impl="loop")
+    with stash_activations(n, manager=manager, max_tokens=16):
+        expert_mlp(x, w1, w2, counts, impl="masked")

@@ -44,7 +44,7 @@ def test_kernel_plan_equals_torch_plan(gen, T, K, E, budget, pad, dtype):
         a, b = getattr(got, name), getattr(want, name)
         assert a.dtype == b.dtype and a.shape == b.shape, name
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
-    from graphstash.moe.dispatch import _update_status
+    from graphstash.moe._dispatch import _update_status
 
     _update_status(status[0], want, dropless=False)
     torch.testing.assert_close(status[1], status[0], rtol=0, atol=0)

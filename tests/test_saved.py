@@ -239,15 +239,7 @@ def _public_modules() -> list[str]:
     return sorted(n for n in names if not any(part.startswith("_") for part in n.split(".")))
 
 
-# graphstash.moe re-exports the function dispatch() under its module's name; moe/ is not
-# changed here, so the clash stays visible: strict, this fails as soon as it is fixed.
-_CLASHES = {"graphstash.moe.dispatch"}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="function dispatch() shadows "
-                                            "the module graphstash.moe.dispatch"))
-    if n in _CLASHES else n for n in _public_modules()])
+@pytest.mark.parametrize("name", _public_modules())
 def test_import_gives_the_module(name):
     import types
 

@@ -35,6 +35,7 @@ import statistics
 
 import torch
 
+from ..memory import static_footprint
 from ..models import PRESETS, MoEConfig, MoEModel
 from ..moe import experts as _experts
 from ._timing import event_ms
@@ -185,14 +186,6 @@ def count_exchange(group):
         dist.all_to_all_single = original
 
 
-def _static_bytes(model, opt) -> int:
-    """Parameters, their gradients and the optimizer's state, in bytes."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor) and t.device.type == "cuda")
-    return 2 * params + state
-
-
 def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) -> dict:
     """Build ``mode``, warm up (capture), time ``steps`` steps; figures as the module says."""
     import graphstash
@@ -248,7 +241,7 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
         samples.append(event_ms(lambda: one(batches[next(counter) % len(batches)]), 1))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
-    static = _static_bytes(model, opt)
+    static = static_footprint(model, opt, device=device)
     stats = step.stats if graphed else None
     plan = step.stash_manager.plan() if mode == "graph + budget + stash" else []
     figures = torch.tensor([statistics.median(samples), peak / 2**20, (peak - static) / 2**20,

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..moe.dispatch import budget_rows, combine, dispatch
+from ..moe import budget_rows, combine, dispatch
 from ..moe.experts import reads_rows_past_counts
 from ..moe.mlp import expert_mlp
 from .plain import plain_moe

@@ -4,7 +4,7 @@ The reference MoE model built from these pieces is :class:`graphstash.models.MoE
 
 Nothing here touches the GPU at import time.
 """
-from .dispatch import (DispatchHandle, budget_rows, check_routing, combine, default_status,
+from ._dispatch import (DispatchHandle, budget_rows, check_routing, combine, default_status,
                        dispatch)
 from .experts import grouped_mm
 from .mlp import expert_mlp

@@ -365,6 +365,11 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Ten
     bad = _resolve_bad(bad, tokens_per_expert, x.shape[0], impl)
     if impl == "grouped":
         return _grouped_mm_native(x, weight, _offsets(tokens_per_expert, bad))
+    # its weight gradient multiplies the rows past the counts by zero: they must be finite, so
+    # a stash group around it must zero them on reload (NOTE [padding rows] in stash/manager.py)
+    from ..stash import require_zero_tail
+
+    require_zero_tail("grouped_mm's masked dense fallback")
     return _masked_dense(x, weight, tokens_per_expert, bad)
 
 
@@ -394,7 +399,7 @@ def _bad_counts(tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor | No
 
 
 def _flag_bad_counts(bad: torch.Tensor, device: torch.device, status) -> None:
-    from .dispatch import _check_status, default_status
+    from ._dispatch import _check_status, default_status
 
     status = default_status(device) if status is None else _check_status(status, device)
     status.narrow(0, L.SS_OVERFLOW, 1).bitwise_or_(bad.to(torch.int32) * L.OVERFLOW_COUNT)
