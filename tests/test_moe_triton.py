@@ -20,6 +20,26 @@ from _moe_data import routing, tokens
 needs_triton = pytest.mark.skipif(tg.unavailable_reason(torch.device("cpu"), torch.float32)
                                   is not None, reason="needs triton (its CPU interpreter): "
                                   "not installed")
+
+def _interpreter_skip_reason():
+    """Why the interpreter tests cannot run here, or None. They were written against Triton
+    3.9's CPU interpreter; Triton 3.6's (the GPU machines' image) rejects the kernels' scalar
+    loads ("only 0-dimensional arrays can be converted to Python scalars") while its compiled
+    kernels pass tests/test_moe_triton_gpu.py, so older interpreters are not used as the oracle."""
+    why = tg.unavailable_reason(torch.device("cpu"), torch.float32)
+    if why is not None:
+        return "needs triton (its CPU interpreter): not installed"
+    import triton
+
+    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    if (major, minor) < (3, 9):
+        return (f"Triton {triton.__version__}'s interpreter cannot run these kernels (3.9 can); "
+                "the compiled kernels are tested by tests/test_moe_triton_gpu.py")
+    return None
+
+
+needs_interpreter = pytest.mark.skipif(_interpreter_skip_reason() is not None,
+                                       reason=str(_interpreter_skip_reason()))
 SMALL = tg.TileConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4,
                       num_stages=1)
 # float32: products and sums in float32 either way, in another order; 16-bit: the kernel
@@ -49,7 +69,7 @@ COUNTS = [
 ]
 
 
-@needs_triton
+@needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("counts,rows", COUNTS)
 def test_interpreted_kernels_match_loop(gen, dtype, counts, rows):
@@ -67,7 +87,7 @@ def test_interpreted_kernels_match_loop(gen, dtype, counts, rows):
             assert torch.equal(got_w[e], torch.zeros_like(got_w[e]))
 
 
-@needs_triton
+@needs_interpreter
 def test_interpreted_grouped_mm_autograd_default_tiles(gen):
     """impl="triton" through autograd (default tiles, int64 counts) equals autograd through the
     loop; rows past the counts are neither read (NaN there) nor needed."""
@@ -89,7 +109,7 @@ def test_interpreted_grouped_mm_autograd_default_tiles(gen):
     torch.testing.assert_close(gw, want[1], **TOL[torch.float32])
 
 
-@needs_triton
+@needs_interpreter
 def test_interpreted_views_and_counts_past_the_rows(gen):
     """A transposed weight view and an offset row view are made dense; counts summing past
     the buffer read and write no row outside it (rows are clamped; the values there are
@@ -162,12 +182,15 @@ def test_selection_and_bad_input_name_the_argument(gen, monkeypatch):
 
 @pytest.mark.slow
 def test_package_imports_without_triton():
-    """Triton is imported on first use only: importing graphstash (and its MoE package) and
-    choosing an implementation on the CPU leave it unimported."""
+    """graphstash's Triton kernels are imported on first use only: importing graphstash (and
+    its MoE package) and choosing an implementation on the CPU leave the kernel module
+    unimported. (Whether Triton itself is in sys.modules then is torch's business: where it
+    is installed, torch's own modules import it; CI, without Triton, imports graphstash.)"""
     code = ("import sys, torch, graphstash, graphstash.moe\n"
             "from graphstash.moe.experts import resolve_impl\n"
             "resolve_impl(torch.ones(2, 4), torch.ones(1, 3, 4))\n"
-            "assert 'triton' not in sys.modules, sorted(m for m in sys.modules if 'triton' in m)\n")
+            "assert 'graphstash.moe._triton_grouped_kernels' not in sys.modules, "
+            "sorted(m for m in sys.modules if 'triton' in m)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
@@ -237,7 +260,7 @@ def test_kernels_compile_for_hopper(dtype, prec):
         assert tensor_cores == (prec == "tf32" or dtype != "fp32"), (fn, args)
 
 
-@needs_triton
+@needs_interpreter
 def test_interpreted_moe_layer_through_triton_matches_loop(gen):
     """dispatch -> gated expert_mlp (the input regathered in backward, router weights) ->
     combine with impl="triton" for both GEMMs equals impl="loop": output and the gradients of
