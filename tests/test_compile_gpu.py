@@ -103,6 +103,17 @@ def test_compiled_budget_moe_on_gpu_equals_eager_float32(gen, gated):
                      tol=1e-4, grad_tol=1e-3)
 
 
+# NOTE [bf16 router gradients under Inductor]: on an H200 the compiled bf16 block's input
+# gradient differed from eager by 1.56-1.68 (norm-relative) while the outputs agreed to 2e-3.
+# The same happens without graphstash: the plain-PyTorch peer (MoEModel(mode="plain"))
+# compiled with Inductor in bf16 gives x.grad 1.47 off on the CPU, and a bare router (RMSNorm,
+# linear, float softmax, top-k, renormalised weights cast to bf16) 0.69 off in its weight
+# gradient, while aot_eager matches eager exactly. The renormalised top-k weights' backward
+# cancels heavily, and Inductor keeps in float32 what eager rounds to bf16, so neither side
+# is a reference for the other. float32 compiled equals eager (the test above).
+@pytest.mark.xfail(strict=False, reason="NOTE [bf16 router gradients under Inductor]: Inductor "
+                   "and eager round the router's ill-conditioned bf16 backward differently; the "
+                   "plain-PyTorch peer shows the same difference")
 @pytest.mark.parametrize("gated", [False, True])
 def test_compiled_budget_moe_on_gpu_equals_eager_bfloat16(gen, gated):
     # bf16 on sm90/sm100: both run torch._grouped_mm; Inductor's fused norms and router
