@@ -137,12 +137,15 @@ def test_scaled_rows_gradcheck_fp64_on_gpu(gen):
     assert torch.autograd.gradcheck(f, (x, w, w1, w2))
 
 
-def test_expert_mlp_captured_matches_eager_loop(gen):
-    """bf16 expert_mlp with router-weighted rows, captured (native grouped GEMM, explicit
-    GEMM gradients) and replayed with changing counts, against the eager per-expert loop."""
+@pytest.mark.parametrize("gated", [False, True])
+def test_expert_mlp_captured_matches_eager_loop(gen, gated):
+    """bf16 expert_mlp (SiLU or SwiGLU) with router-weighted rows, captured (native grouped
+    GEMM, explicit GEMM gradients, fused count-aware kernels) and replayed with changing
+    counts, against the eager per-expert loop."""
     R, H, F, E = 96, 64, 128, 4
     static_x = tokens(R, H, gen, torch.bfloat16).cuda().div_(R).requires_grad_()
-    static_w1 = (torch.rand(E, F, H, generator=gen) - 0.5).to("cuda", torch.bfloat16).requires_grad_()
+    static_w1 = (torch.rand(E, 2 * F if gated else F, H, generator=gen)
+                 - 0.5).to("cuda", torch.bfloat16).requires_grad_()
     static_w2 = (torch.rand(E, H, F, generator=gen) - 0.5).to("cuda", torch.bfloat16).requires_grad_()
     static_rw = torch.rand(R, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
     static_counts = torch.tensor([20, 0, 40, 30], dtype=torch.int32, device="cuda")
@@ -152,7 +155,7 @@ def test_expert_mlp_captured_matches_eager_loop(gen):
     def step():
         for p in params:
             p.grad = None
-        y = expert_mlp(static_x, static_w1, static_w2, static_counts, static_rw)
+        y = expert_mlp(static_x, static_w1, static_w2, static_counts, static_rw, gated=gated)
         (y * static_g).sum().backward()
         return y.detach()
 
@@ -165,7 +168,7 @@ def test_expert_mlp_captured_matches_eager_loop(gen):
             static_x.copy_(tokens(R, H, gen, torch.bfloat16).cuda() / R)
         graph.replay()
         ref = [p.detach().clone().requires_grad_() for p in params]
-        yr = expert_mlp(*ref[:3], counts_t, ref[3], impl="loop")
+        yr = expert_mlp(*ref[:3], counts_t, ref[3], gated=gated, impl="loop")
         (yr * static_g).sum().backward()
         n = sum(counts)
         torch.testing.assert_close(static_y[:n], yr[:n], **tol)
