@@ -99,6 +99,17 @@ def time_calls_interleaved(fns: dict, repeats: int = 7, inner: int = 5,
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
+def eager_training_step(forward_backward: Callable, optimizer) -> Callable:
+    """The step of an eager loop around ``forward_backward(batch) -> loss`` (which runs the
+    forward and the backward): ``zero_grad``, then it, then ``optimizer.step()``."""
+    def step(batch):
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward_backward(batch)
+        optimizer.step()
+        return loss
+    return step
+
+
 def print_table(title: str, columns: list[str], rows: list[list]) -> None:
     cells = [[str(c) for c in columns]] + [[_fmt(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]

@@ -101,6 +101,8 @@ def _run(c: HFBenchConfig, run: str, device, data: list) -> dict:
     import graphstash
     import graphstash.integrations.transformers as gst
 
+    from ._timing import eager_training_step
+
     torch.cuda.synchronize()
     gc.collect()
     torch.cuda.empty_cache()
@@ -120,11 +122,7 @@ def _run(c: HFBenchConfig, run: str, device, data: list) -> dict:
     if graphed:
         step = graphstash.graph_step(forward_backward, optimizer=opt, warmup=WARMUP)
     else:
-        def step(ids):
-            opt.zero_grad(set_to_none=True)
-            loss = forward_backward(ids)
-            opt.step()
-            return loss
+        step = eager_training_step(forward_backward, opt)
 
     losses, times, error = [], [], None
     try:

@@ -38,7 +38,7 @@ import torch
 from ..memory import static_footprint
 from ..models import PRESETS, MoEConfig, MoEModel
 from ..moe import experts as _experts
-from ._timing import event_ms
+from ._timing import eager_training_step, event_ms
 
 # NOTE [bench budgets]: the launch-bound and memory-bound configurations size their static
 # buffers at twice the average rows a rank receives (capacity_factor=2.0), the worst case at
@@ -215,17 +215,11 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             stash = graphstash.StashConfig(host_tier=False, copy_blocks=max(1, sms // 2),
                                            device_factor=1.05)
+        # dispatch raises its flags in the running step's status (no status= wiring)
         step = graphstash.graph_step(loss_of, optimizer=opt, stash=stash, warmup=2)
-        model.status = step.status
-
-        def one(batch):
-            return step(batch)
+        one = step
     else:
-        def one(batch):
-            opt.zero_grad(set_to_none=True)
-            loss = loss_of(batch)
-            opt.step()
-            return loss
+        one = eager_training_step(loss_of, opt)
 
     with count_exchange(group) as sent:
         one(batches[0])                                   # eager in every mode
