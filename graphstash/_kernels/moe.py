@@ -2,7 +2,9 @@
 
 Same contracts as :mod:`graphstash.reference.moe` (the oracle): every function writes into
 ``out`` (allocated by the caller with a static shape) on torch's current stream, reads
-nothing back to the host and allocates nothing. Each is the operator
+nothing back to the host and allocates nothing (``route_local``: two small scratch tensors,
+``[chunks * (E + 1)]`` int32 and ``[E]`` int64, from torch's allocator, so a graph's pool
+holds them). Each is the operator
 ``torch.ops.graphstash.<name>`` (NOTE [kernels as operators] in ``_library.py``), with the
 reference as its CPU kernel (``route_local``: CUDA only).
 """
@@ -101,6 +103,7 @@ def _route_local(topk_idx: torch.Tensor, num_experts: int, budget_rows: int,
     """Launch the three routing kernels: the plan :func:`graphstash.moe._routing.plan_local`
     computes, into the given outputs (int32 ``[T, K]``, ``[R]``, ``[R]``, ``[E]``, ``[1]``;
     int64 ``[1]``; bool ``[1]``, ``[1]``), and, given a status, the flags dispatch raises.
+    Allocates its two scratch tensors (per-chunk counts, expert offsets) per call.
 
     Args:
         topk_idx: int32/int64 ``[T, K]`` contiguous expert ids on the device.
