@@ -95,9 +95,9 @@ def _stash_config(mode: str, dev: torch.device):
     from .stash import StashConfig
 
     if dev.type == "cuda":
-        # As bench moe: NOTE [bench pool factor] there, NOTE [copy blocks] in stash/manager.py.
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        return StashConfig(host_tier=False, copy_blocks=max(1, sms // 2), device_factor=1.05)
+        from .bench.moe import stash_config
+
+        return stash_config(dev)
     # The reduced model's saved tensors are small: let all of them be candidates.
     return StashConfig(host_tier=False, min_tensor_bytes=0)
 

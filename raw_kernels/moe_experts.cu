@@ -117,10 +117,14 @@ __device__ void act_fwd_impl(T* __restrict__ out, const T* __restrict__ pre,
 // grad_row[r] = <grad_out[r], act(pre[r])> (accumulator type; NOTE [row dot order]: each lane
 // sums its blocks' rounded products in order, then a shuffle-down tree; lane 0 writes).
 // Same mapping as the forward; rows in [live, rows) get zeros when zero_tail, else nothing.
+// grad_pre may be pre itself (NOTE [expert backward temporaries] in graphstash/moe/mlp.py):
+// the lane that writes an element of grad_pre (both halves when gated) has read the elements
+// of pre it needs in the same step, and no lane reads an element another lane writes; the
+// two pointers are therefore not __restrict__.
 // ---------------------------------------------------------------------------------------
 template <typename T, bool GATED, bool VEC>
-__device__ void act_bwd_impl(T* __restrict__ grad_pre, typename Acc<T>::type* __restrict__ grad_row,
-                             const T* __restrict__ grad_out, const T* __restrict__ pre,
+__device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ grad_row,
+                             const T* __restrict__ grad_out, const T* pre,
                              const T* __restrict__ row_weight, const long long* __restrict__ live,
                              long long rows, long long ffn, int zero_tail) {
     using A = typename Acc<T>::type;

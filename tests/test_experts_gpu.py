@@ -81,3 +81,32 @@ def test_expert_mlp_gradcheck_fp64_on_gpu(gen, gated):
         return expert_mlp(x, w1, w2, counts, rw, gated=gated)[:12]
 
     assert torch.autograd.gradcheck(f, (x, w1, w2, rw))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_expert_backward_holds_one_activation_sized_temporary(gen, gated):
+    """NOTE [expert backward temporaries]: above what the forward left alive (the saved
+    tensors, the output and its gradient), the backward of expert_mlp allocates one
+    [rows, ffn] block (the recomputed activation, then its gradient in the same memory) plus
+    the weight gradients and x's gradient; the activation's gradient is written over the
+    pre-activation. Before, it held two (plain) or three (gated) such blocks at once."""
+    R, H, F, E = 16384, 256, 2048, 4
+    dtype = torch.bfloat16
+    counts = torch.tensor([5000, 0, 4000, 3000], dtype=torch.int32, device="cuda")
+    x = tokens(R, H, gen, torch.float32).to("cuda", dtype).requires_grad_()
+    w1 = ((torch.rand(E, 2 * F if gated else F, H, generator=gen) - 0.5) / 16).to(
+        "cuda", dtype).requires_grad_()
+    w2 = ((torch.rand(E, H, F, generator=gen) - 0.5) / 16).to("cuda", dtype).requires_grad_()
+    rw = (torch.rand(R, generator=gen) + 0.1).to("cuda", dtype).requires_grad_()
+    y = expert_mlp(x, w1, w2, counts, rw, gated=gated)
+    g = torch.randn(R, H, generator=gen).to("cuda", dtype)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    grads = torch.autograd.grad(y, (x, w1, w2, rw), g)
+    torch.cuda.synchronize()
+    above = torch.cuda.max_memory_allocated() - base
+    unit = R * F * x.element_size()                         # one [rows, ffn] block
+    others = sum(t.numel() * t.element_size() for t in grads) + R * 4 + (2 << 20)
+    assert above <= unit + others, (above / 2**20, unit / 2**20, others / 2**20)
+    assert all(t[:12000].isfinite().all() for t in grads)

@@ -197,6 +197,14 @@ def test_grouped_mm_grads_match_autograd(gen, impl):
     torch.testing.assert_close(got_w, want_w)
     with pytest.raises(ValueError, match="impl"):
         grouped_mm_grads(g, x.detach(), w.detach(), counts, "auto")
+    # each half alone (x not needed for x's gradient) gives the same values
+    half_x, none_w = grouped_mm_grads(g, None, w.detach(), counts, impl, need_weight=False)
+    none_x, half_w = grouped_mm_grads(g, x.detach(), w.detach(), counts, impl, need_x=False)
+    assert none_w is None and none_x is None
+    torch.testing.assert_close(half_x[:32], got_x[:32], rtol=0, atol=0)
+    torch.testing.assert_close(half_w, got_w, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="x: the weight gradient"):
+        grouped_mm_grads(g, None, w.detach(), counts, impl)
 
 
 def _mlp_reference(x, w1, w2, counts, row_weight, gated=False):
@@ -234,6 +242,39 @@ def test_expert_mlp_gradcheck_fp64(gen, impl, weighted, gated):
     want = torch.autograd.grad(_mlp_reference(x, w1, w2, counts, rw, gated)[:12], inputs, g)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_activation_gradient_written_over_the_pre_activation(gen, gated):
+    """NOTE [expert backward temporaries]: a backward that keeps the graph leaves the saved
+    pre-activation as it was; one that frees it writes the activation's gradient over it and
+    bumps its version. Both give the same gradients, bit for bit."""
+    R, H, F, E = 16, 8, 12, 2
+    counts = torch.tensor([6, 8], dtype=torch.int32)          # 2 rows past the counts
+    width = 2 * F if gated else F
+    x = tokens(R, H, gen).requires_grad_()
+    w1 = (torch.rand(E, width, H, generator=gen) - 0.5).requires_grad_()
+    w2 = (torch.rand(E, H, F, generator=gen) - 0.5).requires_grad_()
+    rw = (torch.rand(R, generator=gen) + 0.1).requires_grad_()
+    inputs = (x, w1, w2, rw)
+    saved = []
+
+    def pack(t):
+        if tuple(t.shape) == (R, width):
+            saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = expert_mlp(x, w1, w2, counts, rw, gated=gated, impl="loop")
+    (pre,) = saved
+    before, version = pre.clone(), pre._version
+    g = torch.rand(R, H, generator=gen)
+    kept = torch.autograd.grad(y, inputs, g, retain_graph=True)
+    assert pre._version == version and torch.equal(pre, before)
+    freed = torch.autograd.grad(y, inputs, g)
+    assert pre._version > version and not torch.equal(pre[:14], before[:14])
+    for a, b in zip(kept, freed):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_row_dot_follows_the_kernel_order(gen):

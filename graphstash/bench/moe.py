@@ -186,6 +186,27 @@ def count_exchange(group):
         dist.all_to_all_single = original
 
 
+def stash_config(device: torch.device):
+    """The :class:`~graphstash.StashConfig` of the ``graph + budget + stash`` mode on the CUDA
+    ``device`` (``graphstash memory --mode stash`` uses it too).
+
+    NOTE [bench pool factor]: the pool is 1.05x the demand of the warmup steps: a layer's
+    live rows vary by well under 1 % between random routings here. A step that outgrows it is
+    flagged and rerun (the flags column), never silently wrong. Copies get half the
+    multiprocessors (NOTE [copy blocks] in stash/manager.py). A group's reload is issued once
+    autograd released the group before it (``prefetch="after_release"``, NOTE [prefetch]):
+    in the memory-bound configuration on an H200 that step took 1.047-1.059x graph + budget
+    against 1.053-1.068x issuing it at the last unpack, with the same peak, in four paired
+    runs (``benchmarks/probes/moe_stash_variants.py --prefetch at_last_unpack after_release``;
+    docs/moe-performance.md).
+    """
+    import graphstash
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return graphstash.StashConfig(host_tier=False, copy_blocks=max(1, sms // 2),
+                                  device_factor=1.05, prefetch="after_release")
+
+
 def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) -> dict:
     """Build ``mode``, warm up (capture), time ``steps`` steps; figures as the module says."""
     import graphstash
@@ -206,15 +227,7 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
         return loss.detach()
 
     if graphed:
-        stash = None
-        if mode == "graph + budget + stash":
-            # NOTE [bench pool factor]: the pool is 1.05x the demand of the warmup steps: a
-            # layer's live rows vary by well under 1 % between random routings here. A step
-            # that outgrows it is flagged and rerun (the flags column), never silently wrong.
-            # Copies get half the multiprocessors (NOTE [copy blocks] in stash/manager.py).
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            stash = graphstash.StashConfig(host_tier=False, copy_blocks=max(1, sms // 2),
-                                           device_factor=1.05)
+        stash = stash_config(device) if mode == "graph + budget + stash" else None
         # dispatch raises its flags in the running step's status (no status= wiring)
         step = graphstash.graph_step(loss_of, optimizer=opt, stash=stash, warmup=2)
         one = step

@@ -233,6 +233,27 @@ def _weight_strides(weight):        # b[e] = weight[e]: [out, in]
     return weight.stride(0), weight.stride(1), weight.stride(2)
 
 
+# NOTE [fp32 forward operand]: the forward's B tile is weight[e].T, read with the reduced
+# dimension contiguous. With 16-bit or tf32 tensor cores that layout costs nothing, but the
+# exact fp32 product ("ieee", no tensor cores) then ran 2.3-3.4x slower than the same kernel
+# computing x's gradient, whose B tile (weight[e]) is row-major (benchmarks/probes/
+# grouped_gemm.py on an H200: 14 against 44 TFLOP/s). So under "ieee" the forward multiplies
+# by a transposed, contiguous copy of the weight instead, made per call: one pass over the
+# weight (under 2 % of the product's time at the presets' widths) and a transient copy of it.
+def _forward_operand(weight: torch.Tensor, prec: str, *, stand_in: bool = False):
+    """``(b, strides)`` of the forward's B operand (``b[e]`` is ``[in, out]``) for ``prec``
+    (NOTE [fp32 forward operand]). ``stand_in``: a view of ``weight`` with the strides the
+    copy would have, for compiling without copying."""
+    if prec != "ieee":
+        return weight, _weight_t_strides(weight)
+    experts, n_out, n_in = weight.shape
+    if stand_in:
+        b = weight.as_strided((experts, n_in, n_out), (n_in * n_out, n_out, 1))
+    else:
+        b = weight.transpose(1, 2).contiguous()
+    return b, _weight_strides(b)
+
+
 def _device_of(x: torch.Tensor):
     return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
 
@@ -272,8 +293,8 @@ def prepare(x: torch.Tensor, weight: torch.Tensor, *, config: TileConfig | None 
             # width (expert_mlp decides for its second GEMM from the first one's output).
             n_out, n_in = weight.shape[1], weight.shape[2]
             rows_in, rows_out = x.new_empty(0, n_in), x.new_empty(0, n_out)
-            launcher.rows(rows_in, weight, _weight_t_strides(weight), rows_out, plan, n_out,
-                          n_in)
+            b, b_strides = _forward_operand(weight, launcher.prec, stand_in=True)
+            launcher.rows(rows_in, b, b_strides, rows_out, plan, n_out, n_in)
             launcher.rows(rows_out, weight, _weight_strides(weight), rows_in, plan, n_in, n_out)
             launcher.weight_grad(rows_out, rows_in, weight, plan)
     except Exception as err:    # noqa: BLE001 - any failure means "not available here"
@@ -313,34 +334,38 @@ def forward(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tens
     with _device_of(x):
         launcher = _Launcher(x, weight, config=config)
         plan = _plan(tokens_per_expert, x.shape[0], launcher.cfg.block_m)
-        launcher.rows(x, weight, _weight_t_strides(weight), out, plan, weight.shape[1],
-                      weight.shape[2])
+        b, b_strides = _forward_operand(weight, launcher.prec)
+        launcher.rows(x, b, b_strides, out, plan, weight.shape[1], weight.shape[2])
     return out
 
 
-def grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+def grads(grad: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
           tokens_per_expert: torch.Tensor, *, need_x: bool = True, need_weight: bool = True,
           config: TileConfig | None = None):
     """Gradients of ``out = grouped_mm(x, weight, tokens_per_expert)``.
 
     Args:
-        grad: ``[rows, out]`` gradient of ``out``, dtype and device of x.
+        grad: ``[rows, out]`` gradient of ``out``, dtype and device of weight.
         x: ``[rows, in]`` float16/bfloat16/float32; weight ``[experts, out, in]``, same dtype
-            and device.
-        tokens_per_expert: int32/int64 ``[experts]`` on x's device.
+            and device. ``None`` when only x's gradient is wanted (it does not read x).
+        tokens_per_expert: int32/int64 ``[experts]`` on weight's device.
         need_x, need_weight: which of the two to compute (the other is returned as None).
         config: overrides the tiles (measurements, tests).
     Returns ``(grad_x [rows, in], grad_weight [experts, out, in])``: rows of grad_x past the
     counts unspecified, grad_weight of an expert without rows zero. Rows of ``grad`` and
     ``x`` past the counts are not read.
     """
-    grad, x, weight = _dense(grad), _dense(x), _dense(weight)
+    grad, weight = _dense(grad), _dense(weight)
+    x = _dense(x) if x is not None else None
+    rows = grad.shape[0]
     grad_x = grad_w = None
-    with _device_of(x):
-        launcher = _Launcher(x, weight, config=config)
-        plan = _plan(tokens_per_expert, x.shape[0], launcher.cfg.block_m)
+    # the kernels' signature depends on dtype, device and weight shape, which grad shares
+    like = x if x is not None else grad
+    with _device_of(like):
+        launcher = _Launcher(like, weight, config=config)
+        plan = _plan(tokens_per_expert, rows, launcher.cfg.block_m)
         if need_x:
-            grad_x = x.new_empty(x.shape)
+            grad_x = grad.new_empty(rows, weight.shape[2])
             launcher.rows(grad, weight, _weight_strides(weight), grad_x, plan, weight.shape[2],
                           weight.shape[1])
         if need_weight:

@@ -492,24 +492,34 @@ def resolve_impl(x: torch.Tensor, weight: torch.Tensor, impl: str = "auto") -> s
 _IMPLS = ("grouped", "triton", "loop", "masked")
 
 
-def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                     tokens_per_expert: torch.Tensor, impl: str, *, bad=None):
+def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor,
+                     tokens_per_expert: torch.Tensor, impl: str, *, bad=None,
+                     need_x: bool = True, need_weight: bool = True):
     """Gradients of ``out = grouped_mm(x, weight, tokens_per_expert, impl=impl)``.
 
     Args:
-        grad: ``[rows, out]`` gradient of ``out``, dtype and device of x.
-        x: ``[rows, in]`` the forward's input; weight ``[experts, out, in]``.
+        grad: ``[rows, out]`` gradient of ``out``, dtype and device of weight.
+        x: ``[rows, in]`` the forward's input; ``None`` is allowed when ``need_weight`` is
+            False (x's gradient does not read x). weight ``[experts, out, in]``.
         tokens_per_expert: int ``[experts]`` rows of each expert (as in the forward).
         impl: the implementation the forward ran (:func:`resolve_impl`), not ``"auto"``.
         bad: the forward's count check (0-dim bool on the device), ``TRUSTED`` for counts
             valid by construction, or ``None`` to check them here (NOTE [expert counts]).
+        need_x, need_weight: which of the two to compute (the other is returned as None).
+            Computing them in two calls lets a caller free x between them (NOTE [expert
+            backward temporaries] in ``mlp.py``); the values are the same either way.
     Returns ``(grad_x [rows, in], grad_weight [experts, out, in])``. Rows of ``grad_x`` past
     the counts are unspecified, as are those of a forward's output; rows of ``grad`` and
     ``x`` past the counts are read only by ``"masked"`` (which multiplies them by zero).
     """
+    if need_weight and x is None:
+        raise ValueError("x: the weight gradient needs the forward's input, got None")
     if impl == "triton":
-        return _triton_grouped.grads(grad, x, weight, tokens_per_expert)
-    bad = _resolve_bad(bad, tokens_per_expert, x.shape[0], impl)
+        return _triton_grouped.grads(grad, x, weight, tokens_per_expert, need_x=need_x,
+                                     need_weight=need_weight)
+    rows = grad.shape[0]
+    bad = _resolve_bad(bad, tokens_per_expert, rows, impl)
+    grad_x = grad_w = None
     if impl == "grouped":
         # NOTE [weight gradient layout]: grad_w[e] = grad_e^T @ x_e is computed as one grouped
         # product with grad^T as the first operand, so it comes out [experts, out, in], the
@@ -518,29 +528,38 @@ def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         # into a contiguous gradient: a strided pass over every expert weight, measured at
         # 3.0 ms per Mixtral-8x7B layer on an H200 (docs/moe-performance.md).
         offsets = _offsets(tokens_per_expert, bad)
-        grad_x = torch._grouped_mm(grad, weight, offs=offsets)
-        grad_w = torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets)
+        if need_x:
+            grad_x = torch._grouped_mm(grad, weight, offs=offsets)
+        if need_weight:
+            grad_w = torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets)
         return grad_x, grad_w
     if impl == "masked":
         starts, ends = _group_bounds(tokens_per_expert, bad)
-        rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1)
-        zero = torch.zeros((), dtype=x.dtype, device=x.device)
-        grad_x = x.new_zeros(x.shape)
-        grad_w = []
+        where = torch.arange(rows, device=grad.device).unsqueeze(1)
+        zero = torch.zeros((), dtype=grad.dtype, device=grad.device)
+        if need_x:
+            grad_x = grad.new_zeros(rows, weight.shape[2])
+        per_expert = []
         for e in range(weight.shape[0]):
-            g = torch.where((rows >= starts[e]) & (rows < ends[e]), grad, zero)
-            grad_x = grad_x + g @ weight[e]
-            grad_w.append(g.t() @ x)
-        return grad_x, torch.stack(grad_w)
+            g = torch.where((where >= starts[e]) & (where < ends[e]), grad, zero)
+            if need_x:
+                grad_x = grad_x + g @ weight[e]
+            if need_weight:
+                per_expert.append(g.t() @ x)
+        return grad_x, (torch.stack(per_expert) if need_weight else None)
     if impl == "loop":
-        counts = _host_counts(tokens_per_expert, x.shape[0])
-        grad_x = x.new_zeros(x.shape)
-        grad_w = weight.new_zeros(weight.shape)
+        counts = _host_counts(tokens_per_expert, rows)
+        if need_x:
+            grad_x = grad.new_zeros(rows, weight.shape[2])
+        if need_weight:
+            grad_w = weight.new_zeros(weight.shape)
         start = 0
         for e, n in enumerate(counts):
             if n:
-                grad_x[start:start + n] = grad[start:start + n] @ weight[e]
-                grad_w[e] = grad[start:start + n].t() @ x[start:start + n]
+                if need_x:
+                    grad_x[start:start + n] = grad[start:start + n] @ weight[e]
+                if need_weight:
+                    grad_w[e] = grad[start:start + n].t() @ x[start:start + n]
             start += n
         return grad_x, grad_w
     raise ValueError(f"impl: expected one of {_IMPLS}, got {impl!r}")

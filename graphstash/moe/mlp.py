@@ -34,6 +34,27 @@ reads the live row count (the sum of ``tokens_per_expert``) on the device and to
 rows below it: budget rows past the count cost no time. Their values are left unspecified,
 which the grouped GEMM (``"grouped"``, ``"loop"``) never reads; the ``"masked"`` fallback
 multiplies them by zero, so under it the kernels write zeros there instead.
+
+NOTE [expert backward temporaries]: under a static budget every temporary of the experts'
+backward is budget-sized, and the largest of them sit beside every layer's saved tensors at
+the start of backward, where a step's peak is. So the backward keeps as few alive at once as
+the arithmetic allows:
+
+- each GEMM's weight gradient is computed first and its input (the recomputed activation,
+  the regathered tokens) freed before the input gradient is allocated, which then takes the
+  freed memory (:func:`~graphstash.moe.experts.grouped_mm_grads` computes either half);
+- the activation's gradient is written over the pre-activation it is computed from (the
+  fused kernel reads each element before it writes it, in the same thread), instead of into
+  a new ``[rows, ffn]`` (``[rows, 2 * ffn]`` gated) tensor. Only when the saved tensor is not
+  needed again: not when autograd keeps the graph (``retain_graph``, ``create_graph``) or
+  outside an autograd graph task (``torch.compile`` tracing its backward ahead of time),
+  where it is allocated as before. The saved tensor's version is then bumped, so anything
+  that unpacked it and would read it again gets autograd's in-place error, never stale
+  values.
+
+Plain experts hold ``[rows, ffn]`` x 3 and ``[rows, hidden]`` at the worst point instead of
+x 4; gated ones ``[rows, ffn]`` x 3 instead of x 5 (pre-activation, activation's gradient,
+and the recomputed activation or its gradient).
 """
 from __future__ import annotations
 
@@ -81,9 +102,14 @@ class _RegatheredGEMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         source, w1, counts = ctx.saved_tensors
+        grad = grad.contiguous()
         x = ctx.handle.regather(source)
-        grad_x, grad_w = grouped_mm_grads(grad.contiguous(), x, w1, counts, ctx.impl,
-                                          bad=ctx.bad)
+        del source
+        # NOTE [expert backward temporaries]: x is freed before x's gradient takes its place
+        _, grad_w = grouped_mm_grads(grad, x, w1, counts, ctx.impl, bad=ctx.bad, need_x=False)
+        del x
+        grad_x, _ = grouped_mm_grads(grad, None, w1, counts, ctx.impl, bad=ctx.bad,
+                                     need_weight=False)
         return grad_x, None, grad_w, None, None, None, None
 
 
@@ -107,19 +133,27 @@ class _ActivatedGEMM(torch.autograd.Function):
     def backward(ctx, grad_y):
         pre, row_weight, w2, counts = ctx.saved_tensors
         ops, impl, gated = ctx.ops, ctx.impl, ctx.gated
+        grad_y = grad_y.contiguous()
         zero_tail = impl == "masked"
         live = counts.sum().view(1)
+        # NOTE [expert backward temporaries]: the recomputed activation lives only for the
+        # weight gradient; the activation's gradient then takes its memory
         a = pre.new_empty(pre.shape[0], w2.shape[2])
         ops.act_forward(a, pre, row_weight, live, gated=gated, zero_tail=zero_tail)
-        grad_a, grad_w2 = grouped_mm_grads(grad_y.contiguous(), a, w2, counts, impl,
-                                           bad=ctx.bad)
+        _, grad_w2 = grouped_mm_grads(grad_y, a, w2, counts, impl, bad=ctx.bad, need_x=False)
         del a
+        grad_a, _ = grouped_mm_grads(grad_y, None, w2, counts, impl, bad=ctx.bad,
+                                     need_weight=False)
+        del grad_y
         grad_row = None
         if row_weight is not None and ctx.needs_input_grad[1]:
             grad_row = torch.empty(pre.shape[0], dtype=_acc_dtype(pre.dtype), device=pre.device)
-        grad_pre = torch.empty_like(pre)
+        over = _may_overwrite(pre)
+        grad_pre = pre if over else torch.empty_like(pre)
         ops.act_backward(grad_pre, grad_row, grad_a.contiguous(), pre, row_weight, live,
                          gated=gated, zero_tail=zero_tail)
+        if over:
+            torch.autograd.graph.increment_version(pre)
         if grad_row is not None:
             # rows past the count carry no router weight (dispatch gives them 0)
             grad_row = grad_row.to(row_weight.dtype)
@@ -127,6 +161,15 @@ class _ActivatedGEMM(torch.autograd.Function):
                 rows = torch.arange(pre.shape[0], device=pre.device)
                 grad_row = torch.where(rows < live, grad_row, torch.zeros_like(grad_row))
         return grad_pre, grad_row, grad_w2, None, None, None, None
+
+
+def _may_overwrite(saved: torch.Tensor) -> bool:
+    """Whether a backward may write its gradient over ``saved``, a contiguous tensor it
+    unpacked: only when autograd frees the graph after this backward (NOTE [expert backward
+    temporaries])."""
+    if torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph():
+        return False
+    return saved.is_contiguous()
 
 
 def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
