@@ -133,6 +133,46 @@ def _plain_case(rank, device, dtype, group, tol):
         torch.testing.assert_close(mine.grad, ref.grad[rank * E_l:(rank + 1) * E_l], **tol)
 
 
+def _exchange_buffers_case(rank, device, dtype, group):
+    """The send and receive buffers of the all-to-all are temporaries of their layer: none is
+    alive when the next layer exchanges, none is kept for backward (a budget-mode model of
+    three gated layers, chunks at twice the average rows per rank)."""
+    import gc
+    import weakref
+
+    from graphstash.models import MoEConfig, MoEModel
+    from graphstash.moe import _dispatch
+
+    config = MoEConfig(hidden=H, ffn=12, num_experts=E, topk=K, layers=3, num_tokens=T,
+                       capacity_factor=2.0, chunk_factor=2.0, gated=True)
+    model = MoEModel(config, mode="budget", group=group, seed=5, device=device, dtype=dtype)
+    x = tokens(T, H, torch.Generator().manual_seed(50 + rank), dtype).to(device)
+    buffers, alive_at_call = [], []
+    original = _dispatch._all_to_all
+
+    def recording(src, grp):
+        gc.collect()
+        alive_at_call.append(sum(r() is not None for r in buffers))
+        out = original(src, grp)
+        buffers.extend((weakref.ref(src), weakref.ref(out)))
+        return out
+
+    _dispatch._all_to_all = recording
+    try:
+        out = model(x)
+        gc.collect()
+        after_forward = sum(r() is not None for r in buffers)
+        out.float().pow(2).mean().backward()
+    finally:
+        _dispatch._all_to_all = original
+    gc.collect()
+    # dispatch and combine of each layer, forward and backward, plus the router weights
+    assert len(buffers) >= 2 * 2 * 2 * config.layers
+    assert max(alive_at_call) == 0, alive_at_call
+    assert after_forward == 0
+    assert all(r() is None for r in buffers)
+
+
 def _bad_input_case(device, dtype, group):
     x, idx, w, _ = _data(1, 0, device, dtype)
     with pytest.raises(ValueError, match="num_experts: expected a multiple of the group size 2"):
@@ -157,6 +197,7 @@ def _worker(rank, port, backend, results_dir):
         _eager_case(rank, device, torch.float32, group, budget, 4, tol, seed=13, scaled=True)
         _over_budget_case(rank, device, torch.float32, group)
         _plain_case(rank, device, torch.float32, group, tol)
+        _exchange_buffers_case(rank, device, torch.float32, group)
         _bad_input_case(device, torch.float32, group)
         if on_gpu:
             _graph_case(rank, device, group, tol)
