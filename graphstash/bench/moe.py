@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import statistics
 
@@ -212,6 +213,7 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
     import graphstash
 
     torch.cuda.synchronize(device)
+    gc.collect()                  # the previous mode's step, model and graph, if in a cycle
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -322,6 +324,10 @@ def run(quick: bool = False, args=None) -> dict:
     out = {}
     for name, config in configs.items():
         if name in PRESETS and not explicit_layers:
+            # what the previous configuration's modes left (graphs, cached blocks) is not
+            # this one's to lose: collect it before measuring the free memory
+            gc.collect()
+            torch.cuda.empty_cache()
             config = dataclasses.replace(config, layers=_fit_layers(config, world, device))
         if world > 1 and config.chunk_factor is None:
             config = dataclasses.replace(config, chunk_factor=config.capacity_factor)
