@@ -238,8 +238,9 @@ def _weight_strides(weight):        # b[e] = weight[e]: [out, in]
 # exact fp32 product ("ieee", no tensor cores) then ran 2.3-3.4x slower than the same kernel
 # computing x's gradient, whose B tile (weight[e]) is row-major (benchmarks/probes/
 # grouped_gemm.py on an H200: 14 against 44 TFLOP/s). So under "ieee" the forward multiplies
-# by a transposed, contiguous copy of the weight instead, made per call: one pass over the
-# weight (under 2 % of the product's time at the presets' widths) and a transient copy of it.
+# by a transposed, contiguous copy of the weight instead, made per call: a transient copy of
+# the weight, whose time the probe's forward figures include (now 0.96-1.22x eager
+# torch._grouped_mm at the presets' widths, 2.28-3.43x before; docs/moe-performance.md).
 def _forward_operand(weight: torch.Tensor, prec: str, *, stand_in: bool = False):
     """``(b, strides)`` of the forward's B operand (``b[e]`` is ``[in, out]``) for ``prec``
     (NOTE [fp32 forward operand]). ``stand_in``: a view of ``weight`` with the strides the

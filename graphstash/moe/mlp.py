@@ -36,9 +36,10 @@ which the grouped GEMM (``"grouped"``, ``"loop"``) never reads; the ``"masked"``
 multiplies them by zero, so under it the kernels write zeros there instead.
 
 NOTE [expert backward temporaries]: under a static budget every temporary of the experts'
-backward is budget-sized, and the largest of them sit beside every layer's saved tensors at
-the start of backward, where a step's peak is. So the backward keeps as few alive at once as
-the arithmetic allows:
+backward is budget-sized, and in the first layers of backward they sit beside every other
+layer's saved tensors, which is where a step's peak was (the memory-bound configuration of
+``graphstash bench moe``, docs/moe-performance.md). So the backward keeps as few alive at
+once as the arithmetic allows:
 
 - each GEMM's weight gradient is computed first and its input (the recomputed activation,
   the regathered tokens) freed before the input gradient is allocated, which then takes the
@@ -52,9 +53,11 @@ the arithmetic allows:
   that unpacked it and would read it again gets autograd's in-place error, never stale
   values.
 
-Plain experts hold ``[rows, ffn]`` x 3 and ``[rows, hidden]`` at the worst point instead of
-x 4; gated ones ``[rows, ffn]`` x 3 instead of x 5 (pre-activation, activation's gradient,
-and the recomputed activation or its gradient).
+At its worst point the second GEMM's backward now holds, beside the ``[rows, hidden]``
+output gradient, the pre-activation (then the activation's gradient, in the same memory) and
+one ``[rows, ffn]`` block (the recomputed activation, then its gradient): two such blocks
+instead of three for plain experts, three instead of five for gated ones (whose
+pre-activation is ``[rows, 2 * ffn]``).
 """
 from __future__ import annotations
 
@@ -167,8 +170,9 @@ def _may_overwrite(saved: torch.Tensor) -> bool:
     """Whether a backward may write its gradient over ``saved``, a contiguous tensor it
     unpacked: only when autograd frees the graph after this backward (NOTE [expert backward
     temporaries])."""
-    if torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph():
-        return False
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if keep_graph is None or torch.compiler.is_compiling() or keep_graph():
+        return False            # unknown (another torch), tracing, or the graph is kept
     return saved.is_contiguous()
 
 
