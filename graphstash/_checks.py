@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from . import _layout as L
 from .errors import CaptureError
 
 COUNT_DTYPES = (torch.int32, torch.int64)
@@ -76,11 +75,3 @@ def normalize_device(device, name: str = "device") -> torch.device:
         raise ValueError(f"{name}: expected a CUDA or CPU device, got {dev}")
     return dev
 
-
-def check_status(name: str, status, device: torch.device) -> None:
-    """Validate a shared status tensor: int32, shape ``(STATUS_SIZE,)``, on ``device``."""
-    expected = f"an int32 tensor of shape ({L.STATUS_SIZE},) on {device}"
-    if not isinstance(status, torch.Tensor):
-        raise TypeError(f"{name}: expected {expected}, got {type(status).__name__}")
-    if status.dtype != torch.int32 or status.device != device or status.shape != (L.STATUS_SIZE,):
-        raise ValueError(f"{name}: expected {expected}, got {describe(status)}")

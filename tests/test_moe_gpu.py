@@ -234,10 +234,10 @@ def test_grouped_mm_captured_matches_loop(gen, dtype):
     """bf16 on sm90/sm100: torch._grouped_mm inside the graph; float32: the Triton grouped GEMM
     where Triton is installed, else the masked fallback (torch._grouped_mm's float32 path reads
     the offsets back and cannot be captured)."""
-    from graphstash.moe import experts
+    from graphstash.moe import prepare_experts
 
     R, H, N, E = 96, 64, 48, 4
-    eager_ok, capture_ok = experts._probe(torch.device("cuda"), dtype)
+    eager_ok, capture_ok = prepare_experts(torch.device("cuda"), dtype)
     major = torch.cuda.get_device_capability()[0]
     assert capture_ok == (eager_ok and dtype == torch.bfloat16 and major in (9, 10))
     static_x = tokens(R, H, gen, dtype).cuda().requires_grad_()
