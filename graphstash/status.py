@@ -22,10 +22,10 @@ import contextlib
 import os
 import threading
 import warnings
+import weakref
 from typing import Protocol, runtime_checkable
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _layout as L
 from ._checks import describe, forbid_capture, is_capturing, normalize_device
@@ -112,8 +112,10 @@ def raise_peak(status: torch.Tensor, index: int, value: torch.Tensor) -> None:
 # graph step, its stash manager and every buffer of that manager). So the owner is looked up
 # by the tensor's identity (:meth:`StepStatus.of`); :meth:`StepStatus.adopt` returns the
 # existing owner of a tensor or makes one, so one tensor never has two owners with different
-# reducers. The map holds its keys weakly: a status nobody references goes with its owner.
-_owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# reducers. The map holds the owners weakly, keyed by id(tensor): an owner holds its tensor,
+# so while an entry lives its id names that tensor and no other; an owner nobody holds goes,
+# and its tensor (if still referenced) gets a new owner when one is asked for.
+_owners: "weakref.WeakValueDictionary[int, StepStatus]" = weakref.WeakValueDictionary()
 
 
 class StepStatus:
@@ -137,7 +139,7 @@ class StepStatus:
     def _init(self) -> None:
         self._reducer: FlagReducer | None = None
         self._host: torch.Tensor | None = None        # pinned int32 copy (CUDA), made once
-        _owners[self._tensor] = self
+        _owners[id(self._tensor)] = self
 
     @classmethod
     def adopt(cls, status) -> "StepStatus":
@@ -146,7 +148,7 @@ class StepStatus:
         if isinstance(status, StepStatus):
             return status
         if isinstance(status, torch.Tensor):
-            owner = _owners.get(status)
+            owner = _owners.get(id(status))
             if owner is not None:
                 return owner
         tensor = check_status("status", status,
@@ -159,7 +161,7 @@ class StepStatus:
     @classmethod
     def of(cls, status: torch.Tensor) -> "StepStatus | None":
         """The owner of the tensor ``status``, or None if it has none yet."""
-        return _owners.get(status) if isinstance(status, torch.Tensor) else None
+        return _owners.get(id(status)) if isinstance(status, torch.Tensor) else None
 
     # ---- the tensor -------------------------------------------------------------------
     @property

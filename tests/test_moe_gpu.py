@@ -337,11 +337,11 @@ def _poison_free_memory(mib: int = 256):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_model_stash_mode_gradients_equal_budget_mode(gen, dtype):
-    """Stash mode against budget mode, bitwise: eagerly and replayed from a CUDA graph. bf16
-    runs the native grouped GEMM under capture, so its reloads skip the zero fill (NOTE
-    [expert rows past the count] in models/moe.py); float32 captures the Triton grouped GEMM
-    (no zero fill either) or, without Triton, the masked fallback, which needs it. Free memory
-    is poisoned with NaN before every step."""
+    """Stash mode against budget mode, bitwise: eagerly and replayed from a CUDA graph. The
+    reloads skip the zero fill (zero_tail=False, NOTE [moe layer]): bf16 runs the native
+    grouped GEMM under capture, float32 the Triton grouped GEMM or, without Triton, the
+    masked fallback, none of which lets the rows past the counts reach a result (NOTE [rows
+    past the counts] in moe/experts.py). Free memory is poisoned with NaN before every step."""
     from graphstash.stash import StashConfig, StashManager
 
     config = MoEConfig(hidden=256, ffn=512, num_experts=8, topk=2, layers=4, num_tokens=2048,

@@ -305,3 +305,58 @@ print("ok")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, env=env)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+# ---- on a GPU (CuPy kernels) ------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_handle_checks_and_layer_on_the_gpu(gen, dtype):
+    """The CuPy path: the layer equals the hand-written recipe bitwise, the regathered
+    gradients equal the kept-input ones bitwise, and the handle refuses dropout(permuted) and
+    tokens modified in place."""
+    x = (tokens(T, H, gen) / T).to("cuda", dtype).requires_grad_()
+    idx, w = routing(T, K, E, gen)
+    idx, w = idx.cuda(), w.to("cuda", dtype)
+    w1, w2 = (p.detach().to("cuda", dtype).requires_grad_() for p in _weights(gen, True))
+    proj = torch.randn(T, H, generator=gen).to("cuda", dtype)
+    budget = budget_rows(T, K, E, capacity_factor=2.0, pad_multiple=8)
+    grads = []
+    for regather in (False, True):
+        permuted, counts, handle = dispatch(x, idx, w, E, budget=budget, pad_multiple=8)
+        y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), gated=True,
+                       handle=handle if regather else None)
+        out = combine(y, handle, weighted=False)
+        grads.append((out.detach(),) + torch.autograd.grad((out.float() * proj).sum(),
+                                                           (x, w1, w2)))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    layer = moe_layer(x, idx, w, w1, w2, E, gated=True, budget=budget, pad_multiple=8)
+    assert torch.equal(layer.detach(), grads[0][0])
+    permuted, counts, handle = dispatch(x, idx, w, E, budget=budget, pad_multiple=8)
+    with pytest.raises(ValueError, match="handle: x must be the very tensor"):
+        expert_mlp(torch.nn.functional.dropout(permuted, 0.5), w1, w2, counts, gated=True,
+                   handle=handle)
+    with torch.no_grad():
+        x.mul_(2)
+    with pytest.raises(ValueError, match="handle: the tokens given to dispatch were modified"):
+        expert_mlp(permuted, w1, w2, counts, gated=True, handle=handle)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_fallback_ignores_garbage_past_the_counts_on_the_gpu(gen, dtype):
+    """Issue 27.3 on a GPU: NaN rows past the counts reach neither the masked product nor its
+    gradients, which equal the loop's."""
+    from graphstash.moe.experts import grouped_mm_grads
+
+    x = (tokens(32, H, gen) / 32).to("cuda", dtype)
+    w = (torch.rand(3, 16, H, generator=gen) - 0.5).to("cuda", dtype)
+    g = (torch.rand(32, 16, generator=gen) - 0.5).to("cuda", dtype)
+    counts = torch.tensor([9, 0, 14], dtype=torch.int32, device="cuda")
+    want = grouped_mm_grads(g, x, w, counts, "loop")
+    x[23:], g[23:] = float("nan"), float("nan")
+    got = grouped_mm_grads(g, x, w, counts, "masked")
+    assert torch.isfinite(got[1]).all()
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], **tol)
+    torch.testing.assert_close(got[0][:23], want[0][:23], **tol)

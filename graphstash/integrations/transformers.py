@@ -22,9 +22,11 @@ steps :func:`graphstash.graph_step` reruns dropless). With ``group=`` each rank 
 over-budget flag and the step reruns dropless, updating once.
 
 Inside a :func:`graphstash.graph_step` the flag reaches the step by itself (NOTE [current step]
-in ``graphstash/_mode.py``), and with ``stash=True`` the budget-sized activations of every
-experts call go through the step's stash manager (``graph_step(..., stash=StashConfig())``);
-with no stash manager current the experts run unstashed. The manager decides whether stashing
+in ``graphstash/status.py``); outside one (evaluation, ``generate``) a budget that dropped rows
+warns at the caller (NOTE [eager over budget] in ``graphstash/moe/_dispatch.py``). With
+``stash=True`` the budget-sized activations of every experts call go through the step's stash
+manager (``graph_step(..., stash=StashConfig())``); with no stash manager current the experts
+run unstashed. The experts run as one :func:`graphstash.moe.moe_layer` (NOTE [moe layer]). The manager decides whether stashing
 pays (NOTE [stash plan] in ``graphstash/stash/manager.py``): on one GPU the buffer has no dead
 rows, so under ``StashConfig(policy="auto")`` it steps aside; expert-parallel budgets above the
 live rows are where it saves memory.

@@ -14,8 +14,8 @@ import weakref
 
 import torch
 
-from .._checks import (describe, forbid_capture, normalize_device, require_positive_int,
-                       require_tensor)
+from .._checks import (describe, forbid_capture, normalize_device, require_float,
+                       require_positive_int, require_tensor)
 from .._mode import is_dropless
 from ..reference.arithmetic import acc_dtype
 from ..status import current, default, reading_allowed, resolve, warn_at_call_site
@@ -24,8 +24,6 @@ from ._routing import RoutingPlan, plan_expert_parallel, plan_local
 
 __all__ = ["DispatchHandle", "budget_rows", "check_routing", "combine", "default_status",
            "dispatch"]
-
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def default_status(device) -> torch.Tensor:
@@ -221,10 +219,7 @@ def check_handle(handle, name: str = "handle") -> "DispatchHandle":
 # argument checks
 # ---------------------------------------------------------------------------------------
 def _check_float(name: str, t, device=None) -> torch.Tensor:
-    require_tensor(name, t, "a floating-point tensor")
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name}: expected a bfloat16, float16, float32 or float64 tensor, "
-                        f"got {describe(t)}")
+    require_float(name, t, "a floating-point tensor")
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} (the device of x), "
                          f"got {describe(t)}")

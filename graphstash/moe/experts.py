@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import warnings
 
-import torch
-
 from typing import NamedTuple
 
+import torch
+
 from .. import _layout as L
-from .._checks import COUNT_DTYPES, describe, is_capturing, require_tensor
+from .._checks import (COUNT_DTYPES, FLOAT_DTYPES, describe, is_capturing, normalize_device,
+                       require_float, require_tensor)
 from ..status import check_status, raise_flag, resolve
 from . import _triton_grouped
 
-__all__ = ["FLOAT_DTYPES", "GroupedMMSupport", "TRUSTED", "check_counts", "check_grouped_args",
-           "grouped_mm", "grouped_mm_grads", "grouped_mm_resolved", "grouped_product",
-           "prepare_experts", "resolve_impl"]
-
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+__all__ = ["GroupedMMSupport", "TRUSTED", "check_counts", "check_grouped_args", "grouped_mm",
+           "grouped_mm_grads", "grouped_mm_resolved", "grouped_product", "prepare_experts",
+           "resolve_impl"]
 
 # NOTE [grouped_mm under capture]
 # On CUDA, torch._grouped_mm has a CUTLASS path only for bf16 on sm90/sm100 with 16-byte
@@ -218,8 +217,6 @@ def prepare_experts(device, dtype: torch.dtype) -> GroupedMMSupport:
 
         graphstash.moe.prepare_experts("cuda", torch.bfloat16)
     """
-    from .._checks import normalize_device
-
     device = normalize_device(device)
     if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype: expected a floating torch.dtype (bfloat16, float16, float32 "
@@ -503,12 +500,12 @@ def check_grouped_args(x, weight, tokens_per_expert, *, x_name: str = "x",
     """The argument checks of :func:`grouped_mm` (TypeError/ValueError naming the argument by
     the names given: :func:`~graphstash.moe.expert_mlp` calls its first weight ``w1``).
     Counts on the host are checked here too (NOTE [expert counts])."""
-    _check_float(x_name, x, "a 2-D floating tensor [rows, in]")
+    require_float(x_name, x, "a 2-D floating tensor [rows, in]")
     if x.dim() != 2:
         raise ValueError(f"{x_name}: expected a 2-D floating tensor [rows, in], got "
                          f"{describe(x)}")
     expected = f"a 3-D tensor [experts, {out_name}, {x.shape[1]}] in {x.dtype} on {x.device}"
-    _check_float(weight_name, weight, expected)
+    require_float(weight_name, weight, expected)
     if weight.dim() != 3 or weight.shape[2] != x.shape[1]:
         transposed = weight.dim() == 3 and weight.shape[1] == x.shape[1]
         raise ValueError(f"{weight_name}: expected {expected} (the layout "
@@ -530,17 +527,6 @@ def check_grouped_args(x, weight, tokens_per_expert, *, x_name: str = "x",
         raise ValueError(f"{weight_name}: expected at least one expert, got {describe(weight)}")
     if _counts_readable(tokens_per_expert):          # NOTE [expert counts]
         _host_counts(tokens_per_expert, x.shape[0])
-
-
-def _check_float(name: str, t, expected: str) -> None:
-    """A floating tensor on the CPU or a CUDA device, else TypeError/ValueError naming it."""
-    require_tensor(name, t, expected)
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name}: expected {expected} (bfloat16, float16, float32 or "
-                        f"float64), got {describe(t)}")
-    if t.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{name}: expected a tensor on a CUDA device or the CPU, got "
-                         f"{describe(t)}")
 
 
 def resolve_impl(x: torch.Tensor, weight: torch.Tensor, impl: str = "auto") -> str:
