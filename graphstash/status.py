@@ -318,16 +318,27 @@ def current(device=None) -> StepStatus | None:
     return owner
 
 
-_defaults: dict[torch.device, StepStatus] = {}
+# the per-device defaults: plain tensors, so that code torch.compile traces can create and
+# use one (an owner is made outside such code, by default())
+_default_tensors: dict[torch.device, torch.Tensor] = {}
+_default_owners: dict[torch.device, StepStatus] = {}
+
+
+def _default_tensor(device: torch.device) -> torch.Tensor:
+    tensor = _default_tensors.get(device)
+    if tensor is None:
+        tensor = _default_tensors[device] = torch.zeros(L.STATUS_SIZE, dtype=torch.int32,
+                                                        device=device)
+    return tensor
 
 
 def default(device) -> StepStatus:
     """The status of ``device`` used when none was given and none is current: one per device
     for the process (NOTE [current step]). ``device`` as :func:`new_status` takes it."""
     device = normalize_device(device)
-    owner = _defaults.get(device)
+    owner = _default_owners.get(device)
     if owner is None:
-        owner = _defaults[device] = StepStatus(device)
+        owner = _default_owners[device] = StepStatus.adopt(_default_tensor(device))
     return owner
 
 
@@ -343,7 +354,7 @@ def resolve(status, device: torch.device, name: str = "status") -> tuple[torch.T
     owner = current(device)
     if owner is not None:
         return owner.tensor, "current"
-    return default(device).tensor, "default"
+    return _default_tensor(device), "default"
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -18,7 +18,7 @@ from .._checks import (describe, forbid_capture, normalize_device, require_float
                        require_positive_int, require_tensor)
 from .._mode import is_dropless
 from ..reference.arithmetic import acc_dtype
-from ..status import current, default, reading_allowed, resolve, warn_at_call_site
+from ..status import reading_allowed, resolve, warn_at_call_site
 from .backend import Kernels, kernels_for
 from ._routing import RoutingPlan, plan_expert_parallel, plan_local
 
@@ -42,8 +42,8 @@ def default_status(device) -> torch.Tensor:
     ``status=``). ValueError naming ``device`` for a device torch cannot use.
     """
     device = normalize_device(device)
-    owner = current(device)
-    return (owner if owner is not None else default(device)).tensor
+    tensor, _ = resolve(None, device)
+    return tensor
 
 
 def budget_rows(num_tokens: int, topk: int, num_experts: int, *, capacity_factor: float = 1.25,
