@@ -6,13 +6,15 @@ in :func:`warmup`.
 from __future__ import annotations
 
 from .errors import (BackendUnavailableError, CaptureError, GraphstashError, OffloadError,
-                     PoolExhaustedError, ReleasedError, SavedTensorModifiedError,
-                     SavedTensorsError, StaleHandleError, StashOverflowError, UpdateAppliedError)
-from . import memory, moe
+                     OverBudgetError, PoolExhaustedError, ReleasedError,
+                     SavedTensorModifiedError, SavedTensorsError, StaleHandleError,
+                     StashOverflowError, UpdateAppliedError)
+from . import memory, moe, status
 from ._mode import dropless, is_dropless
 from .graph import GraphStep, GraphStepStats, graph_step
 from .offload import ActivationOffloader, HostPool
-from .paging import PagedStashBuffer, PagedTensor, new_status
+from .paging import PagedStashBuffer, PagedTensor
+from .status import StepStatus, new_status
 from .stash import (StashConfig, StashManager, current_manager, mark_not_stashable,
                     stash_activations)
 from . import swap
@@ -46,6 +48,7 @@ __all__ = [
     "GraphstashError",
     "HostPool",
     "OffloadError",
+    "OverBudgetError",
     "PagedStashBuffer",
     "PagedTensor",
     "PoolExhaustedError",
@@ -56,6 +59,7 @@ __all__ = [
     "StashConfig",
     "StashManager",
     "StashOverflowError",
+    "StepStatus",
     "TensorSwapper",
     "UpdateAppliedError",
     "current_manager",
@@ -69,6 +73,7 @@ __all__ = [
     "moe",
     "new_status",
     "stash_activations",
+    "status",
     "swap",
     "swap_activations",
     "warmup",

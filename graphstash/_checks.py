@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _layout as L
 from .errors import CaptureError
 
 COUNT_DTYPES = (torch.int32, torch.int64)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def describe(t: torch.Tensor) -> str:
@@ -17,6 +17,20 @@ def describe(t: torch.Tensor) -> str:
 def require_tensor(name: str, value, expected: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected {expected}, got {type(value).__name__}")
+    return value
+
+
+def require_float(name: str, value, expected: str) -> torch.Tensor:
+    """``value`` if it is a floating tensor (:data:`FLOAT_DTYPES`) on the CPU or a CUDA
+    device; else TypeError (not a tensor, not floating) or ValueError (another device, e.g.
+    meta) naming ``name`` and ``expected``."""
+    require_tensor(name, value, expected)
+    if value.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected {expected} (bfloat16, float16, float32 or "
+                        f"float64), got {describe(value)}")
+    if value.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: expected a tensor on a CUDA device or the CPU, got "
+                         f"{describe(value)}")
     return value
 
 
@@ -76,11 +90,3 @@ def normalize_device(device, name: str = "device") -> torch.device:
         raise ValueError(f"{name}: expected a CUDA or CPU device, got {dev}")
     return dev
 
-
-def check_status(name: str, status, device: torch.device) -> None:
-    """Validate a shared status tensor: int32, shape ``(STATUS_SIZE,)``, on ``device``."""
-    expected = f"an int32 tensor of shape ({L.STATUS_SIZE},) on {device}"
-    if not isinstance(status, torch.Tensor):
-        raise TypeError(f"{name}: expected {expected}, got {type(status).__name__}")
-    if status.dtype != torch.int32 or status.device != device or status.shape != (L.STATUS_SIZE,):
-        raise ValueError(f"{name}: expected {expected}, got {describe(status)}")

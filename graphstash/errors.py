@@ -50,3 +50,9 @@ class SavedTensorModifiedError(SavedTensorsError):
 class StashOverflowError(GraphstashError):
     """An eager step stashed more than the pool holds: its reloaded tensors, and so its
     gradients, are wrong (see ``StashManager(eager_overflow=...)``)."""
+
+
+class OverBudgetError(GraphstashError):
+    """An eager step's MoE dispatch routed more rows than its static budget and dropped the
+    rest: its outputs and gradients differ from a dropless step (see
+    ``StashManager(eager_overflow=...)``)."""

@@ -70,10 +70,11 @@ def _config(args, on_gpu: bool) -> tuple[MoEConfig, list]:
     elif args.preset and "layers" not in overrides:
         notes.append(f"{GPU_LAYERS} of the preset's {config.layers} layers (--layers to change)")
         config = dataclasses.replace(config, layers=GPU_LAYERS)
+    topk = overrides.get("topk", config.topk)              # before MoEConfig refuses it
+    experts = overrides.get("num_experts", config.num_experts)
+    if topk > experts:
+        raise ValueError(f"--topk: expected at most --experts={experts}, got {topk}")
     config = dataclasses.replace(config, **overrides)
-    if config.topk > config.num_experts:
-        raise ValueError(f"--topk: expected at most --experts={config.num_experts}, "
-                         f"got {config.topk}")
     return config, notes
 
 
@@ -127,7 +128,6 @@ def _build(mode: str, config: MoEConfig, dev: torch.device, dtype: torch.dtype):
         return model, opt, step, None
     step = graph_step(loss_of, optimizer=opt, stash=_stash_config(mode, dev), warmup=WARMUP,
                       device=dev)
-    model.status = step.status       # over-budget flags reach the step
     return model, opt, step, step.stash_manager
 
 
@@ -152,7 +152,7 @@ def _cpu_graph_step_quiet(on_gpu: bool):
 
 def run(args) -> int:
     """Build, warm up and record one step; print the report (and write the plot)."""
-    from .moe import experts as _experts
+    from .moe import prepare_experts
 
     if args.top < 1:
         raise ValueError(f"--top: expected a positive int, got {args.top}")
@@ -164,7 +164,7 @@ def run(args) -> int:
     if on_gpu:
         # Decide before any capture whether the grouped GEMM may be captured
         # (NOTE [grouped_mm under capture] in graphstash/moe/experts.py).
-        _experts._probe(dev, dtype)
+        prepare_experts(dev, dtype)
     with _cpu_graph_step_quiet(on_gpu):
         model, opt, step, manager = _build(args.mode, config, dev, dtype)
     gen = torch.Generator().manual_seed(1234)

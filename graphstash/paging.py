@@ -16,10 +16,11 @@ import torch
 from . import _backend, _kernels
 from ._kernels import paged_stash as _cupy_paged
 from . import _layout as L
-from ._checks import (check_counts, check_status, describe, forbid_capture, is_capturing,
-                      normalize_device, require_positive_int)
+from ._checks import (check_counts, describe, forbid_capture, is_capturing, normalize_device,
+                      require_positive_int)
 from .errors import CaptureError, PoolExhaustedError, ReleasedError, StaleHandleError
 from .reference import paged_stash as _reference
+from .status import check_status, new_status
 
 __all__ = ["PagedStashBuffer", "PagedTensor"]
 
@@ -190,7 +191,8 @@ class PagedStashBuffer:
         host_tokens: rows the pinned-host tier holds (0: no host tier).
         backend: ``"auto"``, ``"cupy"`` or ``"reference"``.
         status: optional int32 ``[8]`` tensor on ``device`` shared with other buffers (a
-            manager's); by default the buffer owns one.
+            manager's), or its :class:`~graphstash.status.StepStatus`; by default the buffer
+            owns one.
         record_entries: int32 entries of the handle-record table (default: enough for every
             page twice over, and at least 65536).
 
@@ -222,7 +224,7 @@ class PagedStashBuffer:
         self._page_size = page_size
         self._row_bytes = hidden_size * torch.empty((), dtype=dtype).element_size()
         if status is not None:
-            check_status("status", status, self._device)
+            status = check_status("status", status, self._device)
         self._shared_status = status
         self._record_entries = record_entries
         if record_entries is not None:
@@ -642,11 +644,6 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
         step *= max(size, 1)
     strides = tuple(reversed(strides))
     return t if t.stride() == strides else t.as_strided(t.shape, strides)
-
-
-def new_status(device) -> torch.Tensor:
-    """A zeroed int32 ``[8]`` status tensor on ``device`` to share among buffers."""
-    return torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=normalize_device(device))
 
 
 def _check_max_blocks(max_blocks) -> None:

@@ -7,7 +7,6 @@ checks the CuPy kernels behind them.
 """
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 
@@ -15,7 +14,6 @@ import pytest
 import torch
 
 from graphstash import _layout as L
-from graphstash._kernels import experts as kernel_experts
 from graphstash._kernels import moe as kernel_moe
 from graphstash._kernels import paged_stash as kernel_paged
 from graphstash.moe import check_routing
@@ -28,8 +26,7 @@ from _data import pattern
 from _moe_data import routing, tokens
 
 # the module behind graphstash.moe.dispatch()
-dispatch_module = importlib.import_module("graphstash.moe._dispatch")
-mlp_module = importlib.import_module("graphstash.moe.mlp")
+from graphstash.moe import backend as moe_backend
 
 
 @pytest.fixture(autouse=True)
@@ -138,8 +135,7 @@ def moe_ops(request, monkeypatch):
     reference backend (what runs on a CPU), or the graphstash operators with their CPU
     kernels (the structure the GPU runs: autograd Functions around mutating operators)."""
     if request.param == "operators":
-        monkeypatch.setattr(dispatch_module, "_ops", lambda backend, device: ("cupy", kernel_moe))
-        monkeypatch.setattr(mlp_module, "_ops", lambda device: kernel_experts)
+        monkeypatch.setattr(moe_backend, "REFERENCE", moe_backend.OPERATORS)
     return request.param
 
 

@@ -28,8 +28,13 @@ class FlagNet(torch.nn.Module):
         super().__init__()
         self.l1 = torch.nn.Linear(WIDTH, WIDTH)
         self.l2 = torch.nn.Linear(WIDTH, WIDTH)
-        self.status = None
         self.fail = None                  # None, "first" (the normal run) or "rerun" (dropless)
+
+    @property
+    def status(self):
+        """The running step's status tensor (NOTE [current step]), or None outside a step."""
+        owner = graphstash.status.current()
+        return None if owner is None else owner.tensor
 
     def forward(self, x, marker):
         dropless = graphstash.is_dropless()
@@ -144,7 +149,6 @@ def test_on_overflow_raising_after_the_update_says_it_was_applied(gen):
         loss.backward()
         return loss
 
-    model.status = train_step.status
     x, y, m = _batch(gen, flagged=True)
     with _quiet(), pytest.raises(UpdateAppliedError, match="update was already applied") as info:
         train_step(x, y, m)
@@ -168,7 +172,6 @@ def test_on_overflow_interrupted_keeps_its_type_and_counts_the_step(gen):
     train_step = GraphStep(
         lambda x, y, m: torch.nn.functional.mse_loss(model(x, m), y).backward(),
         optimizer=opt, device="cpu", on_overflow=on_overflow)
-    model.status = train_step.status
     x, y, m = _batch(gen, flagged=True)
     with _quiet(), pytest.raises(KeyboardInterrupt) as info:
         train_step(x, y, m)
@@ -189,7 +192,6 @@ def test_budget_growth_failing_leaves_the_update_unapplied(gen, monkeypatch):
     def train_step(x, y, marker):
         torch.nn.functional.mse_loss(model(x, marker), y).backward()
 
-    model.status = train_step.status
     with _quiet():
         manager = train_step.stash_manager
 
@@ -233,7 +235,6 @@ def _run_property(ops, seed, warmup):
             opt.step()
         return loss
 
-    model.status = train_step.status
     applied = 0
     for op in ops:
         x, y, m = _batch(gen, flagged=op not in ("good", "fail_first_run",

@@ -316,6 +316,57 @@ def test_unsupported_experts_are_refused(gen):
         gst.configure(gelu)
 
 
+def test_activation_changed_after_a_forward_is_refused(gen):
+    """Issue 27.6: the support check was cached per module, so after experts.act_fn =
+    nn.GELU() the backend kept running SiLU (0.28 off HF). It now checks again when what it
+    checked changed: the next forward refuses GELU, and SiLU back is accepted again."""
+    model = _graphstash_twin(tiny_model("qwen3_moe", seed_of(gen)))
+    ids = batch(gen, seq_len=8)
+    model(input_ids=ids)
+    experts = model.model.layers[0].mlp.experts
+    silu = experts.act_fn
+    experts.act_fn = torch.nn.GELU()
+    with pytest.raises(ValueError, match=r"self: the graphstash experts backend does not "
+                                         r"support the activation GELU"):
+        model(input_ids=ids)
+    experts.act_fn = silu
+    model(input_ids=ids)
+
+
+def test_experts_forward_argument_errors_name_the_argument(gen):
+    """Issue 27: hidden states of the wrong width named weight, a 1-D top_k_index failed to
+    unpack, a module that is not an experts module raised AttributeError."""
+    model = _graphstash_twin(tiny_model("qwen3_moe", seed_of(gen)))
+    experts = model.model.layers[0].mlp.experts
+    x = torch.randn(20, 32, generator=gen)
+    idx = torch.rand(20, experts.num_experts, generator=gen).topk(2, dim=1).indices
+    w = torch.rand(20, 2, generator=gen)
+    with pytest.raises(ValueError, match=r"hidden_states: expected \[T, 32\] tokens"):
+        gst.experts_forward(experts, x[:, :16], idx, w)
+    with pytest.raises(ValueError, match=r"top_k_index: expected an int \[20, K\] tensor"):
+        gst.experts_forward(experts, x, idx[:, 0], w)
+    with pytest.raises(TypeError, match="self: expected a transformers experts module"):
+        gst.experts_forward(torch.nn.Linear(32, 32), x, idx, w)
+    with pytest.raises(TypeError, match="hidden_states: expected a floating tensor"):
+        gst.experts_forward(experts, x.long(), idx, w)
+
+
+def test_over_budget_in_eval_warns_at_the_caller(gen):
+    """Issue 27.9: configure(capacity_factor < 1) changed logits in eval and generate, and the
+    flag landed only in the module default status; now the caller is warned (once per call
+    site), and the logits still equal HF's where the budget holds every row."""
+    ref = tiny_model("qwen3_moe", seed_of(gen))
+    ours = _graphstash_twin(ref, capacity_factor=0.3)
+    ids = batch(gen)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="more rows than the budget"):
+        ours(input_ids=ids)
+    fits = _graphstash_twin(ref)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = fits(input_ids=ids).logits
+    assert_rel_close(got, ref(input_ids=ids).logits, "logits")
+
+
 # ------------------------------------------------------------------------------------------
 # expert parallel (two processes over gloo; the NCCL variant also captures)
 # ------------------------------------------------------------------------------------------

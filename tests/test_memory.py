@@ -404,10 +404,10 @@ def test_cuda_eager_totals_add_up_to_the_peak():
 @pytest.mark.parametrize("mode", ["budget", "stash"])
 def test_cuda_capture_totals_add_up_to_the_peak(mode):
     graphstash.warmup()
-    from graphstash.moe import experts as _experts
+    from graphstash.moe import prepare_experts
 
     dev, model, opt, manager, x = _cuda_moe(mode)
-    _experts._probe(dev, torch.bfloat16)
+    prepare_experts(dev, torch.bfloat16)
     report = profile(_moe_step(model, opt, manager, set_to_none=True), x, model=model,
                      optimizer=opt, stash_manager=manager, warmup=3, steps=2, capture=True)
     _check_cuda(report, model, opt)

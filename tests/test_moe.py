@@ -412,7 +412,7 @@ def test_scaled_rows_and_unweighted_combine_match_dense_fp64(gen, pad):
 
 
 def test_grouped_mm_probe_ignores_enclosing_grad_mode_and_hooks(monkeypatch):
-    from graphstash.moe import experts
+    from graphstash.moe import experts, prepare_experts
 
     monkeypatch.setattr(experts, "_eager_ok", {})
     monkeypatch.setattr(experts, "_capture_ok", {})
@@ -421,9 +421,9 @@ def test_grouped_mm_probe_ignores_enclosing_grad_mode_and_hooks(monkeypatch):
         raise AssertionError("the probe's saved tensors reached an enclosing hook")
 
     with torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(refuse, refuse):
-        eager, capture = experts._probe("cpu", torch.float32)
+        eager, capture = prepare_experts("cpu", torch.float32)
     assert (eager, capture) == (hasattr(torch, "_grouped_mm"), False)   # no capture on a CPU
-    assert experts._probe("cpu", torch.float32) == (eager, capture)     # cached
+    assert prepare_experts("cpu", torch.float32) == (eager, capture)    # cached
 
 
 def _model_config(**kw):

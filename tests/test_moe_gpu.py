@@ -234,10 +234,10 @@ def test_grouped_mm_captured_matches_loop(gen, dtype):
     """bf16 on sm90/sm100: torch._grouped_mm inside the graph; float32: the Triton grouped GEMM
     where Triton is installed, else the masked fallback (torch._grouped_mm's float32 path reads
     the offsets back and cannot be captured)."""
-    from graphstash.moe import experts
+    from graphstash.moe import prepare_experts
 
     R, H, N, E = 96, 64, 48, 4
-    eager_ok, capture_ok = experts._probe(torch.device("cuda"), dtype)
+    eager_ok, capture_ok = prepare_experts(torch.device("cuda"), dtype)
     major = torch.cuda.get_device_capability()[0]
     assert capture_ok == (eager_ok and dtype == torch.bfloat16 and major in (9, 10))
     static_x = tokens(R, H, gen, dtype).cuda().requires_grad_()
@@ -337,11 +337,11 @@ def _poison_free_memory(mib: int = 256):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_model_stash_mode_gradients_equal_budget_mode(gen, dtype):
-    """Stash mode against budget mode, bitwise: eagerly and replayed from a CUDA graph. bf16
-    runs the native grouped GEMM under capture, so its reloads skip the zero fill (NOTE
-    [expert rows past the count] in models/moe.py); float32 captures the Triton grouped GEMM
-    (no zero fill either) or, without Triton, the masked fallback, which needs it. Free memory
-    is poisoned with NaN before every step."""
+    """Stash mode against budget mode, bitwise: eagerly and replayed from a CUDA graph. The
+    reloads skip the zero fill (zero_tail=False, NOTE [moe layer]): bf16 runs the native
+    grouped GEMM under capture, float32 the Triton grouped GEMM or, without Triton, the
+    masked fallback, none of which lets the rows past the counts reach a result (NOTE [rows
+    past the counts] in moe/experts.py). Free memory is poisoned with NaN before every step."""
     from graphstash.stash import StashConfig, StashManager
 
     config = MoEConfig(hidden=256, ffn=512, num_experts=8, topk=2, layers=4, num_tokens=2048,

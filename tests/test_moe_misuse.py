@@ -84,9 +84,9 @@ def test_device_count_check_flags_and_empties_every_group(gen, counts, flagged):
     bad = (c.min() < 0) | (c.sum() > R)               # what _bad_counts computes on a GPU
     status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32)
     status[L.SS_OVERFLOW] = 1                          # an earlier pool overflow stays set
-    experts._flag_bad_counts(bad, x.device, status)
+    experts.flag_bad_counts(bad, x.device, status)
     assert int(status[L.SS_OVERFLOW]) == (1 | L.OVERFLOW_COUNT if flagged else 1)
-    out = experts._forward(x, w, c, "masked", bad)
+    out = experts.grouped_product(x, w, c, "masked", bad)
     if flagged:
         assert experts._offsets(c, bad).tolist() == [0, 0, 0]
         assert torch.equal(out, torch.zeros(R, N))    # every group empty: nothing computed
@@ -94,20 +94,58 @@ def test_device_count_check_flags_and_empties_every_group(gen, counts, flagged):
         torch.testing.assert_close(out, torch.cat([x[:12] @ w[0].t(), x[12:] @ w[2].t()]))
 
 
-def test_masked_fallback_inside_zero_tail_false_is_refused(gen):
-    """Issue: zero_tail=False around experts whose backward reads the padding rows gave NaN
-    parameters with no flag. The masked fallback now refuses it, naming zero_tail; the native
-    and loop products, which read only rows inside the counts, are allowed."""
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_masked_fallback_ignores_garbage_past_the_counts(gen, poison):
+    """Issue 27.3: rows past the counts are documented as not computed, but the masked
+    fallback multiplied them by zero in its weight gradient (NaN * 0 = NaN: every weight
+    gradient NaN). It now selects the rows of each expert (NOTE [rows past the counts]):
+    its product and both gradients equal the loop's, whatever those rows hold, so the
+    expert layer may stash with zero_tail=False under it too."""
+    x = tokens(R, H, gen) / R
+    w = _weights(gen)
+    counts = torch.tensor([9, 0, 14], dtype=torch.int32)            # 23 of 32 rows live
+    g = torch.rand(R, N, generator=gen) - 0.5
+    x_poisoned = x.clone()
+    x_poisoned[23:] = poison
+    g_poisoned = g.clone()
+    g_poisoned[23:] = poison
+    got = grouped_mm_grads(g_poisoned, x_poisoned, w, counts, "masked")
+    want = grouped_mm_grads(g, x, w, counts, "loop")
+    assert torch.isfinite(got[1]).all()
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[0][:23], want[0][:23], rtol=1e-5, atol=1e-6)
+    assert want[1].abs().max() > 0.1                                # far from zero
+    xp = x_poisoned.clone().requires_grad_()
+    wp = w.clone().requires_grad_()
+    out = grouped_mm(xp, wp, counts, impl="masked")
+    torch.testing.assert_close(out[:23], grouped_mm(x, w, counts, impl="loop")[:23])
+    (out[:23] * g[:23]).sum().backward()
+    torch.testing.assert_close(wp.grad, want[1], rtol=1e-5, atol=1e-6)
+
+
+def test_masked_fallback_inside_zero_tail_false_equals_loop(gen):
+    """The expert MLP under the masked fallback inside stash_activations(zero_tail=False)
+    (what the MoE layer uses) gives the loop's gradients: the rows a reload leaves
+    unwritten never reach them."""
     from graphstash.stash import StashConfig, StashManager, stash_activations
 
     x = torch.randn(16, 8, generator=gen)
     w1, w2 = torch.randn(2, 12, 8, generator=gen), torch.randn(2, 8, 12, generator=gen)
     counts = torch.tensor([5, 7], dtype=torch.int32)
-    manager = StashManager(StashConfig(min_tensor_bytes=0), device="cpu")
-    n = torch.tensor([12], dtype=torch.int32)
-    with stash_activations(n, manager=manager, zero_tail=False, max_tokens=16):
-        with pytest.raises(ValueError, match="zero_tail"):
-            expert_mlp(x, w1, w2, counts, impl="masked")
-        expert_mlp(x, w1, w2, counts, impl="loop")
-    with stash_activations(n, manager=manager, max_tokens=16):
-        expert_mlp(x, w1, w2, counts, impl="masked")
+    proj = torch.randn(16, 8, generator=gen)
+    grads = {}
+    for impl in ("loop", "masked"):
+        manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=64,
+                                           policy="always"), device="cpu")
+        a, b = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        manager.begin_step()
+        with manager:
+            with stash_activations(torch.tensor([12], dtype=torch.int32), manager=manager,
+                                   zero_tail=False, max_tokens=16):
+                y = expert_mlp(x, a, b, counts, impl=impl)
+            (y[:12] * proj[:12]).sum().backward()
+        manager.end_step()
+        grads[impl] = (a.grad, b.grad)
+    for got, want in zip(grads["masked"], grads["loop"]):
+        assert torch.isfinite(got).all() and want.abs().max() > 0.1
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -11,7 +11,7 @@ import torch
 from graphstash.bench._timing import capture_with_output
 from graphstash.errors import CaptureError
 from graphstash.moe import _triton_grouped as tg
-from graphstash.moe import expert_mlp, experts, grouped_mm
+from graphstash.moe import expert_mlp, experts, grouped_mm, prepare_experts
 from graphstash.moe.experts import resolve_impl
 
 from _moe_data import tokens
@@ -142,7 +142,7 @@ def test_auto_prepares_triton_only_where_the_native_op_cannot_be_captured(gen):
         resolve_impl(x, w.to(dtype))
         assert tg.ready(x, w.to(dtype)), dtype
     x = tokens(20, 32, gen, torch.bfloat16).cuda()
-    _, native_captured = experts._probe(x.device, torch.bfloat16)
+    _, native_captured = prepare_experts(x.device, torch.bfloat16)
     resolve_impl(x, w.bfloat16())
     assert tg.ready(x, w.bfloat16()) != native_captured
     odd = tokens(20, 33, gen, torch.bfloat16).cuda()      # 66-byte rows: not the native path
@@ -160,7 +160,7 @@ def test_unprepared_signature_under_capture(gen, monkeypatch):
     w = (torch.rand(2, 72, 40, generator=gen) - 0.5).to("cuda", torch.float16)
     counts = torch.tensor([10, 14], dtype=torch.int32, device="cuda")
     assert not tg.ready(x, w)
-    experts._probe(x.device, x.dtype)
+    prepare_experts(x.device, x.dtype)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(CaptureError, match="not compiled before this CUDA graph capture"):
         with torch.cuda.graph(graph):

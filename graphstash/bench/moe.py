@@ -38,7 +38,7 @@ import torch
 
 from ..memory import static_footprint
 from ..models import PRESETS, MoEConfig, MoEModel
-from ..moe import experts as _experts
+from ..moe import prepare_experts
 from ._timing import eager_training_step, event_ms
 
 # NOTE [bench budgets]: the launch-bound and memory-bound configurations size their static
@@ -95,6 +95,15 @@ def _positive(name: str, value, kind=int):
     return value
 
 
+def _replace(config: MoEConfig, **over) -> MoEConfig:
+    """``dataclasses.replace``, refusing top-k above the experts by its option (MoEConfig
+    would name its field)."""
+    topk, experts = over.get("topk", config.topk), over.get("num_experts", config.num_experts)
+    if topk > experts:
+        raise ValueError(f"--topk: expected at most --experts={experts}, got {topk}")
+    return dataclasses.replace(config, **over)
+
+
 def configs_from_args(args, quick: bool) -> dict:
     """``{name: MoEConfig}`` the suite runs, from the command line (see :func:`add_arguments`).
     Raises ValueError naming the option for a bad value."""
@@ -110,7 +119,7 @@ def configs_from_args(args, quick: bool) -> dict:
     preset = getattr(args, "preset", None)
     custom = any(k in over for k in ("hidden", "ffn", "num_experts", "topk"))
     if preset is not None:
-        out = {preset: dataclasses.replace(PRESETS[preset], **over)}
+        out = {preset: _replace(PRESETS[preset], **over)}
     elif custom:
         missing = [k for k in ("hidden", "ffn", "num_experts", "topk") if k not in over]
         if missing:
@@ -118,9 +127,9 @@ def configs_from_args(args, quick: bool) -> dict:
                              "needs --hidden, --ffn, --experts and --topk")
         base = MoEConfig(num_tokens=8192, capacity_factor=1.0,
                          gated=not getattr(args, "plain_experts", False), layers=4)
-        out = {"custom": dataclasses.replace(base, **over)}
+        out = {"custom": _replace(base, **over)}
     else:
-        out = dict(QUICK) if quick else {**{n: dataclasses.replace(c, **over)
+        out = dict(QUICK) if quick else {**{n: _replace(c, **over)
                                             for n, c in PRESETS.items()}, **CONFIGS}
     for name, c in out.items():
         if c.topk > c.num_experts:
@@ -221,7 +230,7 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
     model = MoEModel(config, mode=MODEL_MODE[mode], group=group, seed=0, device=device,
                      dtype=DTYPE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphed)
-    _experts._probe(device, DTYPE)        # NOTE [grouped_mm under capture], before any capture
+    prepare_experts(device, DTYPE)        # NOTE [grouped_mm under capture], before any capture
 
     def loss_of(x):
         loss = model(x).float().pow(2).mean()

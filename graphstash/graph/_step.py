@@ -23,11 +23,10 @@ import weakref
 
 import torch
 
-from .. import _layout as L
 from .._checks import forbid_capture
 from .._mode import dropless
 from ..errors import CaptureError, ReleasedError, UpdateAppliedError
-from ..paging import new_status
+from ..status import StepStatus
 from . import _staging as S
 from ._update import DeviceUpdate, check_optimizer, has_state, hyperparameters
 from .protocol import StepParticipant
@@ -240,7 +239,7 @@ class GraphStep:
         self._device_arg = device
 
         self._device: torch.device | None = None
-        self._status: torch.Tensor | None = None
+        self._status: StepStatus | None = None
         self._manager = None
         self._update: DeviceUpdate | None = None
         self._graphs: dict[tuple, _Graph] = {}   # insertion order = least recently used first
@@ -295,14 +294,20 @@ class GraphStep:
 
     @property
     def status(self) -> torch.Tensor:
-        """int32 ``[8]`` status on :attr:`device`, shared by the stash manager; give it to MoE
-        dispatch (``status=train_step.status``) so its over-budget flag reaches the step."""
+        """int32 ``[8]`` status on :attr:`device`, shared by the stash manager. While the step
+        runs it is the current status (NOTE [current step] in ``graphstash/status.py``), so
+        MoE dispatch and the expert GEMMs raise their flags in it without ``status=``."""
+        return self.step_status.tensor
+
+    @property
+    def step_status(self):
+        """The :class:`~graphstash.status.StepStatus` that owns :attr:`status`: register an
+        expert-parallel transport on it (``register_reducer``) to combine the flags across
+        ranks through that transport (NOTE [flags across ranks])."""
         if self._status is None:
             manager = self._stash_manager_if_given()
-            if manager is not None:
-                self._status = manager.status
-            else:
-                self._status = new_status(self.device)
+            self._status = (StepStatus.adopt(manager.status) if manager is not None
+                            else StepStatus(self.device))
         return self._status
 
     def _stash_manager_if_given(self):
@@ -495,23 +500,17 @@ class GraphStep:
         self._stats.steps += 1
 
     def _clear_flags(self) -> None:
-        with torch.no_grad():
-            self.status[L.SS_OVERFLOW: L.SS_OVER_BUDGET + 1].zero_()
+        self.step_status.clear_flags()
 
     def _reduced_flags(self) -> torch.Tensor:
-        """int32 [3]: indicators of overflow, host spill, over budget (summed over ranks)."""
-        flags = (self.status[L.SS_OVERFLOW: L.SS_OVER_BUDGET + 1] != 0).to(torch.int32)
-        if self._distributed():
-            import torch.distributed as dist
-
-            dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self._process_group)
-        return flags
+        """int32 [3]: indicators of overflow, host spill, over budget (summed over ranks:
+        NOTE [flags across ranks] in graphstash/status.py)."""
+        return self.step_status.reduced_flags(distributed=self._distributed_arg,
+                                              process_group=self._process_group)
 
     def _run_fn(self, args, kwargs, *, is_dropless: bool):
-        from .._mode import step_status
-
         manager = self._manager
-        with dropless(is_dropless), step_status(self.status):     # NOTE [current step]
+        with dropless(is_dropless), self.step_status.activate():     # NOTE [current step]
             if manager is None:
                 return self._fn(*args, **kwargs)
             with manager:

@@ -22,9 +22,11 @@ steps :func:`graphstash.graph_step` reruns dropless). With ``group=`` each rank 
 over-budget flag and the step reruns dropless, updating once.
 
 Inside a :func:`graphstash.graph_step` the flag reaches the step by itself (NOTE [current step]
-in ``graphstash/_mode.py``), and with ``stash=True`` the budget-sized activations of every
-experts call go through the step's stash manager (``graph_step(..., stash=StashConfig())``);
-with no stash manager current the experts run unstashed. The manager decides whether stashing
+in ``graphstash/status.py``); outside one (evaluation, ``generate``) a budget that dropped rows
+warns at the caller (NOTE [eager over budget] in ``graphstash/moe/_dispatch.py``). With
+``stash=True`` the budget-sized activations of every experts call go through the step's stash
+manager (``graph_step(..., stash=StashConfig())``); with no stash manager current the experts
+run unstashed. The experts run as one :func:`graphstash.moe.moe_layer` (NOTE [moe layer]). The manager decides whether stashing
 pays (NOTE [stash plan] in ``graphstash/stash/manager.py``): on one GPU the buffer has no dead
 rows, so under ``StashConfig(policy="auto")`` it steps aside; expert-parallel budgets above the
 live rows are where it saves memory.
@@ -54,6 +56,7 @@ import math
 import torch
 from torch import nn
 
+from .._checks import describe
 from ..errors import BackendUnavailableError
 
 __all__ = ["IMPLEMENTATION", "ExpertsSettings", "configure", "experts_forward",
@@ -186,20 +189,37 @@ def _unsupported(module: nn.Module) -> str | None:
     return None
 
 
+def _support_key(module: nn.Module) -> tuple:
+    """What :func:`_unsupported` reads of ``module``, compared by identity (NOTE [support
+    check]): the flags, the class (its ``_apply_gate``) and the activation object."""
+    return (type(module), getattr(module, "has_bias", False),
+            getattr(module, "is_transposed", False), getattr(module, "is_concatenated", True),
+            getattr(module, "has_post_expert_norm", False),
+            getattr(module, "_is_expert_parallel", False), module.has_gate,
+            getattr(module, "act_fn", None))
+
+
+# NOTE [support check]: the forward checks its module on every call, cheaply: the first call
+# runs the full check (_unsupported) and keeps the key of what it read; later calls compare
+# the key (a tuple of flags and object identities) and check again only when it changed. So
+# `experts.act_fn = nn.GELU()` after a first forward is refused at the next one instead of
+# running SiLU (which a cache of the verdict alone did: 0.28 off transformers' grouped_mm).
 def _check_supported(module: nn.Module, name: str, argument: str) -> None:
-    if module.__dict__.get(_CHECKED_ATTR, False):
+    key = _support_key(module)
+    if module.__dict__.get(_CHECKED_ATTR) == key:
         return
     why = _unsupported(module)
     if why is not None:
+        module.__dict__.pop(_CHECKED_ATTR, None)
         raise ValueError(
             f"{argument}: the graphstash experts backend does not support {why} of "
             f"{type(module).__name__} at {name!r}; keep experts_implementation='grouped_mm' "
             "for this model")
-    module.__dict__[_CHECKED_ATTR] = True        # the forward checks once per module
+    module.__dict__[_CHECKED_ATTR] = key
 
 
 def _first_weight_name(module: nn.Module) -> str:
-    return "gate_up_proj" if module.has_gate else "up_proj"
+    return "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
 
 
 def _shard(module: nn.Module, name: str, group, world: int, rank: int) -> int:
@@ -319,15 +339,6 @@ def _warn_bincount_aux_loss(model: nn.Module) -> None:
             RuntimeWarning, stacklevel=3)
 
 
-def _expert_gemms_read_tail(permuted: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether a backward of the expert GEMMs here reads the rows past the live count (only the
-    masked dense fallback does), so a stash reload must zero them (NOTE [padding rows])."""
-    from ..moe.experts import reads_rows_past_counts
-
-    activation = permuted.new_empty(0, w2.shape[2])
-    return reads_rows_past_counts(permuted, w1) or reads_rows_past_counts(activation, w2)
-
-
 def _router_weights(top_k_weights: torch.Tensor, top_k_index: torch.Tensor,
                     num_experts: int) -> torch.Tensor:
     """``[T, K]`` router weights from HuggingFace's ``[T, K]`` or ``[T, num_experts]`` form."""
@@ -338,6 +349,39 @@ def _router_weights(top_k_weights: torch.Tensor, top_k_index: torch.Tensor,
         return top_k_weights.gather(1, top_k_index.long())
     raise ValueError(f"top_k_weights: expected shape {tuple(top_k_index.shape)} or "
                      f"({top_k_index.shape[0]}, {num_experts}), got {tuple(top_k_weights.shape)}")
+
+
+def _check_experts_module(self) -> None:
+    if not isinstance(self, nn.Module) or not all(
+            hasattr(self, a) for a in ("down_proj", "has_gate", "num_experts")) or not hasattr(
+            self, _first_weight_name(self)):
+        raise TypeError(f"self: expected a transformers experts module (a class decorated "
+                        f"with @use_experts_implementation: gate_up_proj or up_proj, "
+                        f"down_proj, num_experts, has_gate), got {type(self).__name__}")
+
+
+def _check_experts_args(hidden_states, top_k_index, top_k_weights, w1) -> None:
+    """The checks of :func:`experts_forward` that name its tensor arguments."""
+    if not isinstance(hidden_states, torch.Tensor):
+        raise TypeError(f"hidden_states: expected a [T, hidden] tensor, got "
+                        f"{type(hidden_states).__name__}")
+    hidden = w1.shape[-1]
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden:
+        raise ValueError(f"hidden_states: expected [T, {hidden}] tokens (hidden={hidden} of "
+                         f"the experts' weights), got {describe(hidden_states)}")
+    if not hidden_states.is_floating_point():
+        raise TypeError(f"hidden_states: expected a floating tensor, got "
+                        f"{describe(hidden_states)}")
+    if not isinstance(top_k_index, torch.Tensor):
+        raise TypeError(f"top_k_index: expected an int [T, K] tensor, got "
+                        f"{type(top_k_index).__name__}")
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_states.shape[0]:
+        raise ValueError(f"top_k_index: expected an int [{hidden_states.shape[0]}, K] tensor "
+                         f"(K experts for each of the {hidden_states.shape[0]} tokens), got "
+                         f"{describe(top_k_index)}")
+    if not isinstance(top_k_weights, torch.Tensor):
+        raise TypeError(f"top_k_weights: expected a floating [T, K] tensor, got "
+                        f"{type(top_k_weights).__name__}")
 
 
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -357,13 +401,14 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
 
         out = experts_forward(experts, x, top_k_index, top_k_weights)
     """
-    from .._mode import is_dropless
-    from ..moe import budget_rows, combine, dispatch, expert_mlp
+    from ..moe import moe_layer
 
+    _check_experts_module(self)
     settings = settings_of(self)
     _check_supported(self, settings.name, "self")
     w1 = getattr(self, _first_weight_name(self))
     w2 = self.down_proj
+    _check_experts_args(hidden_states, top_k_index, top_k_weights, w1)
     E = self.num_experts
     if w1.shape[0] * settings.world_size != E:
         raise ValueError(
@@ -376,31 +421,11 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     x = hidden_states.to(w1.dtype)
     weights = _router_weights(top_k_weights, top_k_index, E).to(w1.dtype)
     W = settings.world_size
+    # NOTE [experts budget]: on one GPU a factor above 1 would only waste rows
     factor = settings.capacity_factor if W > 1 else min(settings.capacity_factor, 1.0)
-    budget = budget_rows(T * W, K, E, capacity_factor=factor, world_size=W)  # NOTE [experts budget]
-    permuted, counts, handle = dispatch(x, top_k_index, weights, E, budget=budget,
-                                        group=settings.group)
-
-    def experts():
-        # The router weights scale the activation, so the combine sums unweighted rows; with
-        # the handle, one device keeps the tokens instead of the permuted rows (NOTE [expert
-        # MLP saved tensors], NOTE [regathered input] in graphstash/moe/mlp.py).
-        y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), gated=self.has_gate,
-                       handle=handle)
-        return combine(y, handle, weighted=False)
-
-    manager = None
-    if settings.stash and torch.is_grad_enabled() and not is_dropless():
-        from ..stash import current_manager
-
-        manager = current_manager()
-    if manager is None:
-        out = experts()
-    else:
-        from ..stash import stash_activations
-
-        with stash_activations(handle.live_rows, manager=manager, name=settings.name,
-                               max_tokens=handle.budget_rows,
-                               zero_tail=_expert_gemms_read_tail(permuted, w1, w2)):
-            out = experts()
+    # NOTE [moe layer] in graphstash/moe/layer.py: budget, dispatch, stash group (the
+    # current manager's, when stash=True and one is current), expert MLP, unweighted combine
+    out = moe_layer(x, top_k_index, weights, w1, w2, E, gated=self.has_gate,
+                    capacity_factor=factor, group=settings.group, stash=settings.stash,
+                    name=settings.name)
     return out.to(hidden_states.dtype)

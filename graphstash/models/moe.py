@@ -24,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..moe import budget_rows, combine, dispatch
-from ..moe.experts import reads_rows_past_counts
-from ..moe.mlp import expert_mlp
+from .._checks import normalize_device
+from ..moe import moe_layer
 from .plain import plain_moe
 
 MODES = ("dropless", "budget", "stash", "plain")
@@ -48,6 +47,40 @@ class MoEConfig:
     seq_len: int = 128            # attention only: tokens are [num_tokens / seq_len, seq_len]
     chunk_factor: float | None = None   # expert parallel: chunk = factor x average per rank
     gated: bool = False           # SwiGLU experts: w1 is [E, 2 * ffn, hidden] (gate rows, then up)
+
+    def __post_init__(self):
+        for name in ("hidden", "ffn", "num_experts", "topk", "layers", "num_tokens", "heads",
+                     "seq_len"):
+            _require_int(name, getattr(self, name), minimum=1)
+        if self.topk > self.num_experts:
+            raise ValueError(f"topk: expected at most num_experts={self.num_experts} experts "
+                             f"per token, got {self.topk}")
+        _require_float("capacity_factor", self.capacity_factor)
+        if self.chunk_factor is not None:
+            _require_float("chunk_factor", self.chunk_factor)
+        if self.pad_multiple is not None:
+            _require_int("pad_multiple", self.pad_multiple, minimum=1)
+        for name in ("attention", "gated"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got "
+                                f"{type(getattr(self, name)).__name__}")
+        if self.attention and self.hidden % self.heads:
+            raise ValueError(f"heads: expected a divisor of hidden={self.hidden}, got "
+                             f"{self.heads}")
+
+
+def _require_int(name: str, value, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+
+
+def _require_float(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a finite float > 0, got {value}")
 
 
 # Layer widths of real models (one MoE layer each; attention left out: the experts are what
@@ -136,46 +169,21 @@ class MoEBlock(nn.Module):
         if mode == "plain":
             return x + plain_moe(h, idx, weight, self.w1, self.w2, c.num_experts,
                                  gated=c.gated, group=group)
-        world = 1
-        if group is not None:
+        chunk = None
+        if group is not None and c.chunk_factor is not None and mode != "dropless":
             import torch.distributed as dist
 
             world = dist.get_world_size(group)
-        budget = None
-        chunk = None
-        if mode != "dropless":
-            # budget_rows takes the tokens of the whole group: x holds this rank's share.
-            budget = budget_rows(x.shape[0] * world, c.topk, c.num_experts,
-                                 capacity_factor=c.capacity_factor, pad_multiple=c.pad_multiple,
-                                 world_size=world)
-            if group is not None and c.chunk_factor is not None:
-                chunk = max(1, math.ceil(c.chunk_factor * x.shape[0] * c.topk / world))
-        permuted, counts, handle = dispatch(h, idx, weight, c.num_experts, budget=budget,
-                                            pad_multiple=c.pad_multiple, group=group,
-                                            chunk_rows=chunk, status=status)
+            chunk = max(1, math.ceil(c.chunk_factor * x.shape[0] * c.topk / world))
+        stash = False
         if mode == "stash":
-            from ..stash import stash_activations
-
-            # NOTE [expert rows past the count]: the expert GEMMs read only rows inside the
-            # per-expert offsets, so a reload need not zero the rows past the live count
-            # (half the reload's writes at a 2x budget) - unless the masked dense fallback
-            # runs, whose weight gradient multiplies those rows by zero.
-            zero_tail = (reads_rows_past_counts(permuted, self.w1)
-                         or reads_rows_past_counts(permuted.new_empty(0, c.ffn), self.w2))
-            with stash_activations(handle.live_rows, manager=stash_manager, name="moe.experts",
-                                   max_tokens=handle.budget_rows, zero_tail=zero_tail):
-                out = self._experts(permuted, counts, handle)
-        else:
-            out = self._experts(permuted, counts, handle)
-        return x + out
-
-    def _experts(self, permuted: torch.Tensor, counts: torch.Tensor, handle) -> torch.Tensor:
-        # The router weights scale the activations, so the combine sums unweighted rows and
-        # autograd keeps two budget-sized tensors per layer (NOTE [expert MLP saved tensors]),
-        # one on one device (NOTE [regathered input]).
-        y = expert_mlp(permuted, self.w1, self.w2, counts, handle.permuted_weights(),
-                       gated=self.config.gated, handle=handle)
-        return combine(y, handle, weighted=False)
+            stash = stash_manager if stash_manager is not None else True
+        # NOTE [moe layer] in graphstash/moe/layer.py: the budget, dispatch, stash group,
+        # expert MLP and unweighted combine, paired as they must be
+        return x + moe_layer(h, idx, weight, self.w1, self.w2, c.num_experts, gated=c.gated,
+                             capacity_factor=None if mode == "dropless" else c.capacity_factor,
+                             pad_multiple=c.pad_multiple, group=group, chunk_rows=chunk,
+                             stash=stash, name="moe.experts", status=status)
 
 
 class MoEModel(nn.Module):
@@ -187,13 +195,16 @@ class MoEModel(nn.Module):
             docstring).
         group: ``torch.distributed`` group for expert parallelism (``None``: one device).
         stash_manager: ``graphstash.stash.StashManager`` for ``mode="stash"`` (default: the
-            one ``stash_activations`` picks).
-        status: int32 ``[8]`` status for every dispatch (default: the per-device default).
+            current one, ``graph_step(stash=...)``'s or an enclosing ``with manager:``; with
+            none current the experts run unstashed).
+        status: int32 ``[8]`` status for every dispatch (default: the running step's or
+            manager's, NOTE [current step] in ``graphstash/status.py``; nothing needs to set
+            it).
         seed: initialisation seed; equal seeds and devices give equal models (and equal expert
             slices under expert parallelism).
         device: where the parameters are drawn and live (default: the CPU; drawing a large
             model on its GPU is much faster than moving it there).
-        dtype: parameter dtype (default: float32).
+        dtype: parameter dtype, a ``torch.dtype`` (default: float32).
 
     ``forward(x)`` takes ``[num_tokens, hidden]`` tokens on the model's device and dtype and
     returns the same shape. Train it in bf16 on a GPU (``.to(device, torch.bfloat16)``): that
@@ -210,8 +221,16 @@ class MoEModel(nn.Module):
                  stash_manager=None, status=None, seed: int = 0, device=None,
                  dtype: torch.dtype | None = None):
         super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config: expected a graphstash.models.MoEConfig, got "
+                            f"{type(config).__name__}")
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype: expected a torch.dtype (e.g. torch.bfloat16) or None, got "
+                            f"{type(dtype).__name__} {dtype!r}")
+        if dtype is not None and not dtype.is_floating_point:
+            raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype}")
         world, rank = 1, 0
         if group is not None:
             import torch.distributed as dist
@@ -220,16 +239,13 @@ class MoEModel(nn.Module):
         if config.num_experts % world:
             raise ValueError(f"config.num_experts: expected a multiple of the group size "
                              f"{world}, got {config.num_experts}")
-        if config.hidden % config.heads and config.attention:
-            raise ValueError(f"config.heads: expected a divisor of hidden={config.hidden}, "
-                             f"got {config.heads}")
         self.config = config
         self.mode = mode
         self.group = group
         self.stash_manager = stash_manager
         self.status = status
         local = config.num_experts // world
-        device = torch.device(device) if device is not None else torch.device("cpu")
+        device = normalize_device(device if device is not None else "cpu")
         gen = torch.Generator(device=device).manual_seed(seed)
         with torch.random.fork_rng(devices=[]):      # attention's default init, seeded too
             torch.manual_seed(seed)
@@ -240,9 +256,19 @@ class MoEModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run every block over ``x`` (``[num_tokens, hidden]``, the model's device and dtype); same shape out."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a [num_tokens, {self.config.hidden}] tensor, got "
+                            f"{type(x).__name__}")
         if x.dim() != 2 or x.shape[1] != self.config.hidden:
             raise ValueError(f"x: expected [num_tokens, {self.config.hidden}] tokens, got "
                              f"shape {tuple(x.shape)}")
+        dtype = self.norm.weight.dtype
+        if x.dtype != dtype:
+            raise TypeError(f"x: expected the model's dtype {dtype}, got {x.dtype} (convert "
+                            f"the input with x.to({dtype}) or the model with .to(dtype))")
+        if x.device != self.norm.weight.device:
+            raise ValueError(f"x: expected a tensor on the model's device "
+                             f"{self.norm.weight.device}, got {x.device}")
         if self.config.attention and x.shape[0] % self.config.seq_len:
             raise ValueError(f"x: with attention, num_tokens must be a multiple of "
                              f"seq_len={self.config.seq_len}, got {x.shape[0]}")

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from .. import _backend
-from ..moe import experts as _experts
+from ..moe import prepare_experts
 from .moe import MoEConfig, MoEModel
 
 MODES = ("stash", "budget", "dropless", "all")
@@ -109,7 +109,7 @@ def _train(mode: str, config: MoEConfig, dev, dtype, batches, steps: int, seed: 
     if on_gpu:
         # Decide, before anything is captured, whether the experts' grouped GEMM can be
         # (NOTE [grouped_mm under capture] in graphstash/moe/experts.py).
-        _experts._probe(dev, dtype)
+        prepare_experts(dev, dtype)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
@@ -131,7 +131,6 @@ def _train(mode: str, config: MoEConfig, dev, dtype, batches, steps: int, seed: 
             loss.backward()
             return loss
 
-        model.status = train_step.status     # over-budget flags reach the step (and reruns)
         run_step = train_step
     else:
         train_step = None

@@ -80,11 +80,41 @@ def plain_moe(h: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
     return torch.zeros_like(h).index_add_(0, token, y)
 
 
+class _AllToAllRows(torch.autograd.Function):
+    """``dist.all_to_all_single`` of ``[rows, hidden]`` with host split sizes, differentiable:
+    the backward sends the gradients back the reverse way (what
+    ``torch.distributed.nn.functional.all_to_all_single`` did before torch deprecated it)."""
+
+    @staticmethod
+    def forward(ctx, rows, recv_splits, send_splits, group):
+        import torch.distributed as dist
+
+        out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), recv_splits, send_splits, group=group)
+        ctx.recv_splits, ctx.send_splits, ctx.group = recv_splits, send_splits, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        back = grad.new_empty(sum(ctx.send_splits), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), ctx.send_splits, ctx.recv_splits,
+                               group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all_single(rows: torch.Tensor, recv_splits: list[int], send_splits: list[int],
+                      group) -> torch.Tensor:
+    """``rows`` (``[sum(send_splits), hidden]``) exchanged over ``group``: returns
+    ``[sum(recv_splits), hidden]``; differentiable in ``rows``."""
+    return _AllToAllRows.apply(rows, recv_splits, send_splits, group)
+
+
 def _exchange_and_run(rows, sorted_expert, num_experts, w1, w2, gated, group):
     """Expert parallel: send each row to its expert's rank with ``all_to_all_single`` (split
     sizes read back to the host), run the local experts, send the results back."""
     import torch.distributed as dist
-    from torch.distributed.nn.functional import all_to_all_single
 
     world = dist.get_world_size(group)
     local = num_experts // world
@@ -95,13 +125,11 @@ def _exchange_and_run(rows, sorted_expert, num_experts, w1, w2, gated, group):
     dist.all_to_all_single(recv_counts, send_counts, group=group)      # [src, local expert]
     send_splits = send_counts.sum(1).tolist()
     recv_splits = recv_counts.sum(1).tolist()
-    received = all_to_all_single(rows.new_empty(sum(recv_splits), rows.shape[1]), rows,
-                                 recv_splits, send_splits, group=group)
+    received = all_to_all_single(rows, recv_splits, send_splits, group)
     # received rows are grouped by source rank, then by local expert: regroup by expert.
     expert_of_received = torch.repeat_interleave(
         torch.arange(local, device=rows.device).repeat(world), recv_counts.reshape(-1))
     regroup = torch.sort(expert_of_received, stable=True)
     out = _experts(received[regroup.indices], regroup.values, local, w1, w2, gated)
     back = out.new_zeros(out.shape).index_copy(0, regroup.indices, out)
-    return all_to_all_single(rows.new_empty(rows.shape), back, send_splits, recv_splits,
-                             group=group)
+    return all_to_all_single(back, send_splits, recv_splits, group)

@@ -1,4 +1,5 @@
-"""Static-budget MoE token dispatch/combine (one GPU or expert-parallel) and the expert MLP.
+"""Static-budget MoE token dispatch/combine (one GPU or expert-parallel), the expert MLP, and
+the MoE layer that holds them together (:func:`moe_layer`).
 
 The reference MoE model built from these pieces is :class:`graphstash.models.MoEModel`.
 
@@ -6,8 +7,10 @@ Nothing here touches the GPU at import time.
 """
 from ._dispatch import (DispatchHandle, budget_rows, check_routing, combine, default_status,
                        dispatch)
-from .experts import grouped_mm
+from .experts import GroupedMMSupport, grouped_mm, prepare_experts
+from .layer import moe_layer
 from .mlp import expert_mlp
 
-__all__ = ["DispatchHandle", "budget_rows", "check_routing", "combine",
-           "default_status", "dispatch", "expert_mlp", "grouped_mm"]
+__all__ = ["DispatchHandle", "GroupedMMSupport", "budget_rows", "check_routing", "combine",
+           "default_status", "dispatch", "expert_mlp", "grouped_mm", "moe_layer",
+           "prepare_experts"]

@@ -10,47 +10,40 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 
 import torch
 
-from .. import _backend
-from .. import _layout as L
-from .._checks import describe, forbid_capture, require_positive_int, require_tensor
+from .._checks import (describe, forbid_capture, normalize_device, require_float,
+                       require_positive_int, require_tensor)
 from .._mode import is_dropless
+from ..reference.arithmetic import acc_dtype
+from ..status import reading_allowed, resolve, warn_at_call_site
+from .backend import Kernels, kernels_for
 from ._routing import RoutingPlan, plan_expert_parallel, plan_local
 
 __all__ = ["DispatchHandle", "budget_rows", "check_routing", "combine", "default_status",
            "dispatch"]
 
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-_default_status: dict[torch.device, torch.Tensor] = {}
-
 
 def default_status(device) -> torch.Tensor:
-    """The int32 ``[8]`` status tensor dispatch uses on ``device`` when given no ``status=``.
+    """The int32 ``[8]`` status tensor dispatch and the expert GEMMs use on ``device`` when
+    given no ``status=``.
 
     Inside a running :func:`graphstash.graph_step` on ``device`` (warmup, capture, the eager
-    rerun) it is that step's status (NOTE [current step] in ``graphstash/_mode.py``), so an
-    over-budget dispatch makes the step rerun dropless; elsewhere a module-level tensor per
-    device. Index ``graphstash._layout.SS_OVER_BUDGET`` is raised (sticky) when a budget
+    rerun) it is that step's status, inside ``with manager:`` the
+    :class:`~graphstash.StashManager`'s (NOTE [current step] in ``graphstash/status.py``), so
+    an over-budget dispatch makes the step rerun dropless or the manager's ``end_step()``
+    report it; elsewhere a tensor per device that nobody reads for you (NOTE [eager over
+    budget]). Index ``graphstash._layout.SS_OVER_BUDGET`` is raised (sticky) when a budget
     dropped rows, ``SS_TOKENS_PEAK`` holds the most rows one dispatch asked for, and
     ``SS_OVERFLOW`` gets ``OVERFLOW_COUNT`` when a top-k index was out of range on the GPU.
-    Create the module-level one before capturing a graph yourself (or pass your own
-    ``status=``).
+    Create the per-device one before capturing a graph yourself (or pass your own
+    ``status=``). ValueError naming ``device`` for a device torch cannot use.
     """
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    from .._mode import current_step_status
-
-    status = current_step_status(device)
-    if status is not None:
-        return status
-    status = _default_status.get(device)
-    if status is None:
-        status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)
-        _default_status[device] = status
-    return status
+    device = normalize_device(device)
+    tensor, _ = resolve(None, device)
+    return tensor
 
 
 def budget_rows(num_tokens: int, topk: int, num_experts: int, *, capacity_factor: float = 1.25,
@@ -94,7 +87,8 @@ class DispatchHandle:
     ``live_rows`` (int32 ``[1]``, device) is the number of rows in use at the top of the
     permuted buffer: the ``num_tokens`` to give ``stash_activations``. ``over_budget`` (bool
     ``[1]``, device) says whether this dispatch dropped rows. ``source`` is the ``[num_tokens,
-    hidden]`` tokens that were dispatched (what :meth:`regather` gathers again).
+    hidden]`` tokens that were dispatched (what :meth:`regather` gathers again);
+    ``kernels`` the backend the dispatch chose (NOTE [moe kernels] in ``backend.py``).
     """
     plan: RoutingPlan
     topk_weight: torch.Tensor
@@ -102,8 +96,20 @@ class DispatchHandle:
     hidden: int
     dtype: torch.dtype
     device: torch.device
-    backend: str
+    kernels: Kernels
     source: torch.Tensor | None = None
+    # NOTE [regathered input] in mlp.py: what expert_mlp(..., handle=) checks before it
+    # trusts that gathering `source` again gives its input: the permuted output (held
+    # weakly: the handle must not keep a budget-sized tensor alive) and both versions
+    source_version: int = 0
+    permuted_ref: weakref.ref | None = None
+    permuted_version: int = 0
+    counts_version: int = 0
+
+    @property
+    def backend(self) -> str:
+        """``"cupy"`` or ``"reference"``: the kernels this dispatch runs on."""
+        return self.kernels.name
 
     @property
     def local(self) -> bool:
@@ -117,8 +123,51 @@ class DispatchHandle:
         if not self.local:
             raise ValueError("handle: regather() needs a one-device dispatch; this one is "
                              "expert-parallel")
-        _, ops = _ops(self.backend, self.device)
-        return _tokens_to_rows(source.detach().contiguous(), self.plan, ops)
+        return _tokens_to_rows(source.detach().contiguous(), self.plan, self.kernels)
+
+    def check_expert_input(self, x: torch.Tensor) -> None:
+        """Refuse (ValueError naming ``handle`` or ``x``) unless ``x`` is the very permuted
+        tensor this dispatch returned, unmodified, and the dispatched tokens are unmodified
+        since: then gathering the tokens again gives ``x`` (NOTE [regathered input])."""
+        if tuple(x.shape) != (self.budget_rows, self.hidden) or x.device != self.device:
+            raise ValueError(f"handle: x must be the permuted output of that dispatch "
+                             f"([{self.budget_rows}, {self.hidden}] on {self.device}), got "
+                             f"{describe(x)}")
+        permuted = self.permuted_ref() if self.permuted_ref is not None else None
+        if permuted is not x:
+            raise ValueError(
+                "handle: x must be the very tensor this dispatch returned as its permuted "
+                "output: a copy, a view or a function of it (dropout(permuted), "
+                "permuted * s) is not what gathering the tokens again gives, so its weight "
+                "gradients would be wrong; pass handle=None (x is then kept for backward) or "
+                "apply the function to the tokens before dispatch")
+        if torch.compiler.is_compiling():
+            return                   # versions are not graph values (NOTE [regathered input])
+        if x._version != self.permuted_version:
+            raise ValueError("x: the permuted output was modified in place after dispatch; "
+                             "with handle= the backward gathers the tokens again and would "
+                             "not see that change: pass handle=None or do not modify it")
+        self.check_source(self.source)
+
+    def check_source(self, source: torch.Tensor | None) -> None:
+        """Refuse (ValueError naming ``handle``) if the dispatched tokens ``source`` were
+        modified in place since the dispatch (a gather of them would give other rows)."""
+        if source is None or torch.compiler.is_compiling():
+            return
+        if source._version != self.source_version:
+            raise ValueError(
+                "handle: the tokens given to dispatch were modified in place after it (their "
+                "version went from {} to {}); gathering them again for the experts' backward "
+                "would give other rows than the experts computed with: do not modify the "
+                "dispatched tokens, or pass handle=None".format(self.source_version,
+                                                                 source._version))
+
+    def trusts_counts(self, tokens_per_expert) -> bool:
+        """Whether ``tokens_per_expert`` is this dispatch's own, unmodified counts (valid by
+        construction: NOTE [expert counts] in experts.py)."""
+        if tokens_per_expert is not self.plan.tokens_per_expert:
+            return False
+        return torch.compiler.is_compiling() or tokens_per_expert._version == self.counts_version
 
     @property
     def budget_rows(self) -> int:
@@ -155,18 +204,22 @@ class DispatchHandle:
         :func:`~graphstash.moe.expert_mlp` does): the combine then keeps no budget-sized
         tensor for the weights' gradient (NOTE [expert MLP saved tensors] in ``mlp.py``).
         """
-        _, ops = _ops(self.backend, self.device)
-        return _PermuteWeights.apply(self.topk_weight, self.plan, ops)
+        return _PermuteWeights.apply(self.topk_weight, self.plan, self.kernels)
+
+
+def check_handle(handle, name: str = "handle") -> "DispatchHandle":
+    """``handle`` if it is a :class:`DispatchHandle`, else TypeError naming ``name``."""
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"{name}: expected the DispatchHandle returned by dispatch(), got "
+                        f"{type(handle).__name__}")
+    return handle
 
 
 # ---------------------------------------------------------------------------------------
 # argument checks
 # ---------------------------------------------------------------------------------------
 def _check_float(name: str, t, device=None) -> torch.Tensor:
-    require_tensor(name, t, "a floating-point tensor")
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name}: expected a bfloat16, float16, float32 or float64 tensor, "
-                        f"got {describe(t)}")
+    require_float(name, t, "a floating-point tensor")
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} (the device of x), "
                          f"got {describe(t)}")
@@ -199,15 +252,6 @@ def check_routing(topk_idx: torch.Tensor, num_experts: int) -> None:
         bad = lo if lo < 0 else hi
         raise ValueError(f"topk_idx: expected expert indices in [0, {num_experts}) "
                          f"(num_experts={num_experts}), got {bad}")
-
-
-def _check_status(status, device) -> torch.Tensor:
-    expected = f"an int32 tensor of shape ({L.STATUS_SIZE},) on {device}"
-    require_tensor("status", status, expected)
-    if (status.dtype != torch.int32 or tuple(status.shape) != (L.STATUS_SIZE,)
-            or status.device != device):
-        raise ValueError(f"status: expected {expected}, got {describe(status)}")
-    return status
 
 
 def _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_multiple, group,
@@ -248,19 +292,6 @@ def _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_mult
         if num_experts % world:
             raise ValueError(f"num_experts: expected a multiple of the group size {world} "
                              f"(experts are split evenly over the ranks), got {num_experts}")
-
-
-def _ops(backend: str, device: torch.device):
-    name, _ = _backend.resolve(backend, device)
-    if name == "cupy":
-        from .._kernels import moe as ops
-    else:
-        from ..reference import moe as ops
-    return name, ops
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _all_to_all(src: torch.Tensor, group) -> torch.Tensor:
@@ -345,7 +376,7 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, y, topk_weight, plan: RoutingPlan, ops):
         y = y.contiguous()
         stage = _rows_to_stage(y, plan, ops)
-        weight = topk_weight.detach().to(_acc_dtype(y.dtype)).contiguous()
+        weight = topk_weight.detach().to(acc_dtype(y.dtype)).contiguous()
         out = y.new_empty(plan.num_tokens, y.shape[1])
         ops.combine_rows(out, stage, plan.slot_of_pair, weight)
         ctx.save_for_backward(stage, weight)
@@ -372,7 +403,7 @@ class _Combine(torch.autograd.Function):
                              w_slot.view(-1, 1).contiguous())
             grad_y = _stage_to_rows(g_stage, plan, ops)
         if ctx.needs_input_grad[1]:
-            flat = torch.empty(plan.num_tokens * plan.topk, dtype=_acc_dtype(grad.dtype),
+            flat = torch.empty(plan.num_tokens * plan.topk, dtype=acc_dtype(grad.dtype),
                                device=grad.device)
             ops.weight_grad(flat, grad, stage, plan.slot_of_pair)
             grad_w = flat.view(plan.num_tokens, plan.topk).to(ctx.weight_dtype)
@@ -404,15 +435,33 @@ class _PermuteWeights(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------
 # public API
 # ---------------------------------------------------------------------------------------
-def _update_status(status: torch.Tensor, plan: RoutingPlan, dropless: bool) -> None:
-    """Raise the sticky flags and the demand high-water mark on the device (no host read)."""
-    demand = plan.demand_rows.clamp(max=2**31 - 1).to(torch.int32)
-    peak = status.narrow(0, L.SS_TOKENS_PEAK, 1)
-    peak.copy_(torch.maximum(peak, demand))
-    if not dropless:
-        status.narrow(0, L.SS_OVER_BUDGET, 1).bitwise_or_(plan.over_budget.to(torch.int32))
-        status.narrow(0, L.SS_OVERFLOW, 1).bitwise_or_(
-            plan.bad_index.to(torch.int32) * L.OVERFLOW_COUNT)
+# NOTE [eager over budget]: a budget that drops rows changes the layer's output, and only a
+# device flag says so. Inside graph_step the step reads it and reruns dropless; inside `with
+# manager:` the StashManager's end_step() reads it (NOTE [current step] in
+# graphstash/status.py); a status passed explicitly is the caller's to read. Outside all of
+# them (an eval pass, generate(), a plain eager loop) nobody would read the per-device default:
+# there dispatch reads the flag itself and warns once per call site. That read is a host sync,
+# taken only where it can be needed: eagerly (never while a stream captures or torch.compile
+# traces), with a budget, and only when the budget can be exceeded at all (on one device a
+# budget of at least T*K rows plus every expert's padding holds any routing:
+# :func:`_fits_any_routing`), so the dropless-sized budgets of the presets and of the
+# transformers backend on one GPU never pay it.
+def _fits_any_routing(num_tokens: int, topk: int, num_local_experts: int, budget: int,
+                      pad_multiple: int | None, local: bool) -> bool:
+    """Whether a one-device budget holds every routing (no dispatch can exceed it)."""
+    pad = (pad_multiple or 1) - 1
+    return local and budget >= num_tokens * topk + num_local_experts * pad
+
+
+def _warn_over_budget(plan: RoutingPlan, budget: int) -> None:
+    if bool(plan.over_budget.any()):      # one host read (NOTE [eager over budget])
+        warn_at_call_site(
+            f"graphstash.moe.dispatch: the routing asked for more rows than the budget of "
+            f"{budget} and the rest were dropped, so this output differs from a dropless "
+            "one; no graph_step or StashManager was running to rerun or report the step and "
+            "no status= was given (NOTE [eager over budget] in graphstash/moe/_dispatch.py): "
+            "raise the budget (capacity_factor), run under graphstash.dropless(), or pass "
+            "status= and read it")
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
@@ -438,7 +487,9 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
         chunk_rows: rows of each per-rank chunk of the all-to-all (expert parallel only);
             default ``min(budget, num_tokens * min(topk, E / W))``, which never drops a row
             the budget would keep.
-        status: int32 ``[8]`` status tensor on x's device (default :func:`default_status`).
+        status: int32 ``[8]`` status tensor on x's device, or its
+            :class:`~graphstash.status.StepStatus` (default: the running step's, see
+            :func:`default_status`).
         backend: ``"auto"``, ``"cupy"`` or ``"reference"``.
 
     Returns:
@@ -448,8 +499,11 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
         clamped to the budget: their sum never exceeds ``budget``), ``handle`` a
         :class:`DispatchHandle` for :func:`combine`.
 
-    Rows past the budget are not written; the step's status gets ``SS_OVER_BUDGET`` so the
-    graph manager reruns it dropless. Example::
+    Rows past the budget are not written; the status gets ``SS_OVER_BUDGET``, so
+    :func:`graphstash.graph_step` reruns the step dropless and a ``StashManager``'s
+    ``end_step()`` reports it. With neither running and no ``status=``, an eager dispatch
+    whose budget can be exceeded reads the flag back (one sync) and warns (NOTE [eager over
+    budget]). Example::
 
         permuted, counts, handle = dispatch(x, idx, w, 8, budget=budget_rows(T, 2, 8))
         y = grouped_mm(permuted, w1, counts)
@@ -458,35 +512,44 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
     _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_multiple, group,
                          chunk_rows)
     dropless = budget is None or is_dropless()
-    if status is None:
-        status = default_status(x.device)
-    else:
-        _check_status(status, x.device)
-    backend_name, ops = _ops(backend, x.device)
+    status, source = resolve(status, x.device)
+    kernels = kernels_for(backend, x.device)
     if dropless:
         forbid_capture("a dropless MoE dispatch (it reads the expert counts back to the host)")
     if dropless or x.device.type == "cpu":
         check_routing(topk_idx, num_experts)
 
+    world = 1
     if group is None:
         plan = plan_local(topk_idx, num_experts, None if dropless else budget, pad_multiple,
-                          ops=ops, status=None if dropless else status)
+                          kernels=kernels, status=status)
     else:
         import torch.distributed as dist
 
-        W = dist.get_world_size(group)
+        world = dist.get_world_size(group)
         if not dropless and chunk_rows is None:
             chunk_rows = max(1, min(budget, x.shape[0] * min(topk_idx.shape[1],
-                                                             num_experts // W)))
+                                                             num_experts // world)))
         plan = plan_expert_parallel(topk_idx, num_experts, None if dropless else budget,
-                                    pad_multiple, group, None if dropless else chunk_rows)
-    if not plan.status_updated:
-        _update_status(status, plan, dropless)
-    permuted = _Dispatch.apply(x, plan, ops)
+                                    pad_multiple, group, None if dropless else chunk_rows,
+                                    status=status)
+    if (source == "default" and not dropless and reading_allowed()
+            and not _fits_any_routing(x.shape[0], topk_idx.shape[1], num_experts // world,
+                                      budget, pad_multiple, group is None)):
+        _warn_over_budget(plan, budget)
+    permuted = _Dispatch.apply(x, plan, kernels)
     handle = DispatchHandle(plan=plan, topk_weight=topk_weight, num_experts=num_experts,
                             hidden=x.shape[1], dtype=x.dtype, device=x.device,
-                            backend=backend_name, source=x)
+                            kernels=kernels, source=x, source_version=_version(x),
+                            permuted_ref=weakref.ref(permuted),
+                            permuted_version=_version(permuted),
+                            counts_version=_version(plan.tokens_per_expert))
     return permuted, plan.tokens_per_expert, handle
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t._version`` eagerly; 0 while torch.compile traces (not a graph value there)."""
+    return 0 if torch.compiler.is_compiling() else t._version
 
 
 def combine(y: torch.Tensor, handle: DispatchHandle, *, weighted: bool = True) -> torch.Tensor:
@@ -506,9 +569,7 @@ def combine(y: torch.Tensor, handle: DispatchHandle, *, weighted: bool = True) -
 
         out = combine(expert_out, handle)
     """
-    if not isinstance(handle, DispatchHandle):
-        raise TypeError(f"handle: expected the DispatchHandle returned by dispatch(), got "
-                        f"{type(handle).__name__}")
+    check_handle(handle)
     _check_float("y", y, handle.device)
     if y.dim() != 2 or y.shape[0] != handle.budget_rows:
         raise ValueError(f"y: expected a 2-D tensor of {handle.budget_rows} rows (the budget "
@@ -518,7 +579,6 @@ def combine(y: torch.Tensor, handle: DispatchHandle, *, weighted: bool = True) -
                         f"got {describe(y)}")
     if not isinstance(weighted, bool):
         raise TypeError(f"weighted: expected a bool, got {type(weighted).__name__}")
-    _, ops = _ops(handle.backend, handle.device)
     if not weighted:
-        return _CombineUnweighted.apply(y, handle.plan, ops)
-    return _Combine.apply(y, handle.topk_weight, handle.plan, ops)
+        return _CombineUnweighted.apply(y, handle.plan, handle.kernels)
+    return _Combine.apply(y, handle.topk_weight, handle.plan, handle.kernels)

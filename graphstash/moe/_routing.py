@@ -24,7 +24,8 @@ import dataclasses
 
 import torch
 
-_INT32_MAX = 2**31 - 1
+from .. import _layout as L
+from ..status import raise_flag, raise_peak
 
 
 @dataclasses.dataclass
@@ -51,7 +52,6 @@ class RoutingPlan:
     chunk_rows: int = 0
     row_of_recv: torch.Tensor | None = None   # [W * C] permuted row of each received row
     recv_of_row: torch.Tensor | None = None   # [R] received row feeding each permuted row
-    status_updated: bool = False              # the routing kernels raised the status flags
 
     @property
     def stage_rows(self) -> int:
@@ -109,20 +109,31 @@ def _layout(totals: torch.Tensor, pad_multiple, budget_rows: int | None):
     return offs, budget_rows, tokens_per_expert, live, demand
 
 
-def plan_local(topk_idx: torch.Tensor, num_experts: int, budget_rows: int | None,
-               pad_multiple: int | None, *, ops=None, status: torch.Tensor | None = None
-               ) -> RoutingPlan:
-    """Plan of a one-GPU dispatch; ``budget_rows=None`` sizes the buffer exactly (dropless).
+def raise_plan_flags(status: torch.Tensor, plan: RoutingPlan, dropless: bool) -> None:
+    """What a dispatch raises in its status (int32 ``[8]``), on the device: the rows it asked
+    for (``SS_TOKENS_PEAK``, a high-water mark) and, with a budget, the sticky over-budget
+    flag and ``OVERFLOW_COUNT`` for an expert index out of range. The routing kernels raise
+    the same from inside ``gs_route_layout``."""
+    raise_peak(status, L.SS_TOKENS_PEAK, plan.demand_rows)
+    if not dropless:
+        raise_flag(status, L.SS_OVER_BUDGET, plan.over_budget)
+        raise_flag(status, L.SS_OVERFLOW, plan.bad_index.to(torch.int32) * L.OVERFLOW_COUNT)
 
-    With a budget and the CuPy ``ops`` (:mod:`graphstash._kernels.moe`), the routing kernels
-    build the same plan in three launches instead of some fifty small torch operations
-    (``raw_kernels/moe_routing.cu``; this function's torch path is their oracle), and raise
-    ``status`` (int32 ``[8]``) as dispatch would (``plan.status_updated``).
+
+def plan_local(topk_idx: torch.Tensor, num_experts: int, budget_rows: int | None,
+               pad_multiple: int | None, *, kernels, status: torch.Tensor) -> RoutingPlan:
+    """Plan of a one-GPU dispatch; ``budget_rows=None`` sizes the buffer exactly (dropless).
+    The plan's flags are raised in ``status`` (int32 ``[8]``, :func:`raise_plan_flags`).
+
+    With a budget and ``kernels`` that have routing kernels (the CUDA operators, NOTE [moe
+    kernels] in ``backend.py``), they build the same plan in three launches instead of some
+    fifty small torch operations (``raw_kernels/moe_routing.cu``; this function's torch path
+    is their oracle) and raise the flags themselves.
     """
-    if (budget_rows is not None and ops is not None and hasattr(ops, "route_local")
-            and topk_idx.is_cuda and ops.route_fits(num_experts)):
+    if (budget_rows is not None and kernels.route_local is not None and topk_idx.is_cuda
+            and kernels.route_fits(num_experts)):
         return _plan_local_kernels(topk_idx.contiguous(), num_experts, budget_rows,
-                                   pad_multiple, ops, status)
+                                   pad_multiple, kernels, status)
     T, K = topk_idx.shape
     sorted_key, order, rank, counts, _, bad = _sort_pairs(topk_idx, num_experts)
     offs, R, tpe, live, demand = _layout(counts, pad_multiple, budget_rows)
@@ -132,10 +143,12 @@ def plan_local(topk_idx: torch.Tensor, num_experts: int, budget_rows: int | None
     row = torch.where(keep, row, torch.full_like(row, -1))
     pair_of_slot = _scatter_inverse(row, keep, R, order)
     token_of_slot = torch.where(pair_of_slot >= 0, pair_of_slot // K, pair_of_slot)
-    return RoutingPlan(
+    plan = RoutingPlan(
         num_tokens=T, topk=K, budget_rows=R, slot_of_pair=_by_order(order, row, (T, K)),
         token_of_slot=token_of_slot, pair_of_slot=pair_of_slot, tokens_per_expert=tpe,
         live_rows=live, demand_rows=demand, over_budget=demand > R, bad_index=bad)
+    raise_plan_flags(status, plan, dropless=budget_rows is None)
+    return plan
 
 
 def _plan_local_kernels(topk_idx, num_experts, budget_rows, pad_multiple, ops, status):
@@ -151,8 +164,7 @@ def _plan_local_kernels(topk_idx, num_experts, budget_rows, pad_multiple, ops, s
         tokens_per_expert=i32(num_experts), live_rows=i32(1),
         demand_rows=torch.empty(1, dtype=torch.int64, device=device),
         over_budget=torch.empty(1, dtype=torch.bool, device=device),
-        bad_index=torch.empty(1, dtype=torch.bool, device=device),
-        status_updated=status is not None)
+        bad_index=torch.empty(1, dtype=torch.bool, device=device))
     ops.route_local(topk_idx, num_experts, budget_rows, pad_multiple, status,
                     slot_of_pair=plan.slot_of_pair, pair_of_slot=plan.pair_of_slot,
                     token_of_slot=plan.token_of_slot, tokens_per_expert=plan.tokens_per_expert,
@@ -162,8 +174,10 @@ def _plan_local_kernels(topk_idx, num_experts, budget_rows, pad_multiple, ops, s
 
 
 def plan_expert_parallel(topk_idx: torch.Tensor, num_experts: int, budget_rows: int | None,
-                         pad_multiple: int | None, group, chunk_rows: int | None) -> RoutingPlan:
-    """Plan of an expert-parallel dispatch over ``group`` (NOTE [send layout]).
+                         pad_multiple: int | None, group, chunk_rows: int | None, *,
+                         status: torch.Tensor) -> RoutingPlan:
+    """Plan of an expert-parallel dispatch over ``group`` (NOTE [send layout]); its flags are
+    raised in ``status`` (int32 ``[8]``, :func:`raise_plan_flags`).
 
     Runs one ``all_to_all_single`` of the per-expert counts (int32 ``[W, E_local]``) on the
     device; dropless plans (``budget_rows=None``) also all-reduce the largest chunk and read
@@ -218,9 +232,11 @@ def plan_expert_parallel(topk_idx: torch.Tensor, num_experts: int, budget_rows: 
     row = torch.where(keep, row, torch.full_like(row, -1)).reshape(-1)
     keep = keep.reshape(-1)
     recv_of_row = _scatter_inverse(row, keep, R, torch.arange(W * C, device=device))
-    return RoutingPlan(
+    plan = RoutingPlan(
         num_tokens=T, topk=K, budget_rows=R, slot_of_pair=_by_order(order, slot, (T, K)),
         token_of_slot=token_of_slot, pair_of_slot=pair_of_slot, tokens_per_expert=tpe,
         live_rows=live, demand_rows=demand, over_budget=send_over | (demand > R),
         bad_index=bad, group=group, world_size=W, chunk_rows=C,
         row_of_recv=row.to(torch.int32), recv_of_row=recv_of_row)
+    raise_plan_flags(status, plan, dropless=budget_rows is None)
+    return plan

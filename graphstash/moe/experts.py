@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import warnings
 
+from typing import NamedTuple
+
 import torch
 
 from .. import _layout as L
-from .._checks import COUNT_DTYPES, describe, is_capturing, require_tensor
+from .._checks import (COUNT_DTYPES, FLOAT_DTYPES, describe, is_capturing, normalize_device,
+                       require_float, require_tensor)
+from ..status import check_status, raise_flag, resolve
 from . import _triton_grouped
 
-__all__ = ["grouped_mm", "grouped_mm_grads", "reads_rows_past_counts", "resolve_impl"]
+__all__ = ["GroupedMMSupport", "TRUSTED", "check_counts", "check_grouped_args", "grouped_mm",
+           "grouped_mm_grads", "grouped_mm_resolved", "grouped_product", "prepare_experts",
+           "resolve_impl"]
 
 # NOTE [grouped_mm under capture]
 # On CUDA, torch._grouped_mm has a CUTLASS path only for bf16 on sm90/sm100 with 16-byte
@@ -78,6 +84,14 @@ def _loop(x, weight, counts_list):
     return torch.cat(pieces)
 
 
+# NOTE [rows past the counts]: the rows of x (and of the output gradient) past the expert
+# counts hold whatever the buffer held: a budget's unused rows, rows a stash reload left
+# unwritten (zero_tail=False), rows the count-aware activation kernels did not compute. The
+# native grouped GEMM, the Triton one and the loop read only the rows inside the offsets.
+# The masked dense fallback multiplies every row by every expert, so it selects the rows of
+# each expert with torch.where on both operands of every product: a NaN or Inf there
+# (NaN * 0 is NaN) never reaches an output or a gradient. So no implementation needs those
+# rows zeroed, and the MoE layer stashes with zero_tail=False whatever runs.
 def _masked_dense(x, weight, tokens_per_expert, bad=None):
     starts, ends = _group_bounds(tokens_per_expert, bad)
     rows = torch.arange(x.shape[0], device=x.device).unsqueeze(1)
@@ -181,12 +195,40 @@ def _traced_native_ok(device_type: str, device_index, dtype_name: str) -> bool:
     return _probe(device, dtype)[1]
 
 
+class GroupedMMSupport(NamedTuple):
+    """What :func:`prepare_experts` established for a (device, dtype): whether
+    ``torch._grouped_mm`` runs eagerly, and whether a CUDA graph may capture it."""
+    native_eager: bool
+    native_capture: bool
+
+
+def prepare_experts(device, dtype: torch.dtype) -> GroupedMMSupport:
+    """Decide, before any capture, how the expert GEMMs run on ``device`` in ``dtype`` (NOTE
+    [grouped_mm under capture]): probe ``torch._grouped_mm`` eagerly and in a throwaway
+    capture, once per (device, dtype). ``grouped_mm`` does it on its first eager call; call
+    this first when a capture may come before any eager expert call (a tool that captures at
+    once, a step whose warmup skips the experts). Not capturable (CaptureError).
+
+    Args:
+        device: a ``torch.device`` or string (ValueError naming ``device`` if torch cannot use
+            it).
+        dtype: the experts' floating dtype (TypeError naming ``dtype`` otherwise).
+    Example::
+
+        graphstash.moe.prepare_experts("cuda", torch.bfloat16)
+    """
+    device = normalize_device(device)
+    if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype: expected a floating torch.dtype (bfloat16, float16, float32 "
+                        f"or float64), got {dtype!r}")
+    return GroupedMMSupport(*_probe(device, dtype))
+
+
 def _probe(device, dtype: torch.dtype) -> tuple[bool, bool]:
     """Establish (once) whether torch._grouped_mm works eagerly and under capture.
 
     Not capturable. Returns ``(eager_ok, capture_ok)`` for ``device`` and ``dtype``; later
-    calls return the cached pair. ``grouped_mm`` calls it on its first eager call for a
-    (device, dtype); call it yourself before a capture whose step never ran eagerly.
+    calls return the cached pair (:func:`prepare_experts` is the public entry).
     """
     device = torch.device(device)
     key = _key(device, dtype)
@@ -301,15 +343,6 @@ def _probe_capture(device, dtype) -> bool:
     return ok and captured
 
 
-def reads_rows_past_counts(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``grouped_mm(x, weight, ...)`` called here, now, with ``impl="auto"`` reads the
-    rows of ``x`` past the expert counts in its backward: only the masked dense fallback
-    does (its weight gradient multiplies them by zero, so they must be finite). The native
-    grouped GEMM, the Triton one and the per-expert loop touch only the rows inside the
-    offsets."""
-    return is_capturing() and _auto(x, weight) == "masked"
-
-
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
                *, impl: str = "auto", status: torch.Tensor | None = None) -> torch.Tensor:
     """``out[rows of e] = x[rows of e] @ weight[e].T`` for consecutive row groups.
@@ -325,19 +358,27 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.T
         impl: ``"auto"``, ``"grouped"`` (torch._grouped_mm), ``"triton"`` (a Triton kernel
             over device offsets: float16, bfloat16, float32; capturable), ``"loop"`` (eager,
             reads the counts back) or ``"masked"`` (capturable dense fallback).
-        status: int32 ``[8]`` status tensor on x's device that device-side counts out of
-            range flag (default :func:`~graphstash.moe.default_status`); give it
-            ``train_step.status`` under :func:`graphstash.graph_step`.
+        status: int32 ``[8]`` status tensor on x's device (or its
+            :class:`~graphstash.status.StepStatus`) that device-side counts out of range
+            flag (default: the running step's, :func:`~graphstash.moe.default_status`).
     Returns ``[rows, out]``; differentiable in x and weight (the weight's gradient in its
     own contiguous layout, NOTE [weight gradient layout]). Example::
 
-        y = grouped_mm(permuted, w1, counts, status=train_step.status)
+        y = grouped_mm(permuted, w1, counts)
     """
-    _check_grouped_args(x, weight, tokens_per_expert)
+    check_grouped_args(x, weight, tokens_per_expert)
+    if status is not None:
+        check_status("status", status, x.device)
     impl = resolve_impl(x, weight, impl)
-    bad = None if impl == "loop" else _bad_counts(tokens_per_expert, x.shape[0])
-    if bad is not None:
-        _flag_bad_counts(bad, x.device, status)
+    bad = check_counts(tokens_per_expert, x.shape[0], impl, status=status)
+    return grouped_mm_resolved(x, weight, tokens_per_expert, impl, bad)
+
+
+def grouped_mm_resolved(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
+                        impl: str, bad) -> torch.Tensor:
+    """:func:`grouped_mm` after its checks: ``impl`` as :func:`resolve_impl` returned it,
+    ``bad`` as :func:`check_counts` did (or :data:`TRUSTED`). Differentiable in x and
+    weight; tensors as for :func:`grouped_mm`."""
     return _GroupedMM.apply(x, weight, tokens_per_expert, impl, bad)
 
 
@@ -354,10 +395,11 @@ def _resolve_bad(bad, tokens_per_expert: torch.Tensor, rows: int, impl: str):
     return _bad_counts(tokens_per_expert, rows) if bad is None else bad
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
-             impl: str, bad=None) -> torch.Tensor:
-    """The product of :func:`grouped_mm` by ``impl``; ``bad`` as :func:`_bad_counts` returns
-    it, ``TRUSTED``, or ``None`` to check here. NOTE [expert counts]"""
+def grouped_product(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
+                    impl: str, bad=None) -> torch.Tensor:
+    """The product of :func:`grouped_mm` by ``impl``, without autograd; ``bad`` as
+    :func:`check_counts` returns it, ``TRUSTED``, or ``None`` to check here (NOTE [expert
+    counts]). Tensors as for :func:`grouped_mm`."""
     if impl == "loop":
         return _loop(x, weight, _host_counts(tokens_per_expert, x.shape[0]))
     if impl == "triton":        # clamps the counts itself (NOTE [triton grouped GEMM])
@@ -365,12 +407,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Ten
     bad = _resolve_bad(bad, tokens_per_expert, x.shape[0], impl)
     if impl == "grouped":
         return _grouped_mm_native(x, weight, _offsets(tokens_per_expert, bad))
-    # its weight gradient multiplies the rows past the counts by zero: they must be finite, so
-    # a stash group around it must zero them on reload (NOTE [padding rows] in stash/manager.py)
-    from ..stash import require_zero_tail
-
-    require_zero_tail("grouped_mm's masked dense fallback")
-    return _masked_dense(x, weight, tokens_per_expert, bad)
+    return _masked_dense(x, weight, tokens_per_expert, bad)      # NOTE [rows past the counts]
 
 
 def _host_counts(tokens_per_expert: torch.Tensor, rows: int) -> list[int]:
@@ -398,11 +435,30 @@ def _bad_counts(tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor | No
     return (tokens_per_expert.min() < 0) | (tokens_per_expert.sum() > rows)
 
 
-def _flag_bad_counts(bad: torch.Tensor, device: torch.device, status) -> None:
-    from ._dispatch import _check_status, default_status
+def check_counts(tokens_per_expert: torch.Tensor, rows: int, impl: str, *, status=None):
+    """The count check of NOTE [expert counts] for a product of ``impl`` over ``rows`` rows:
+    None where there is nothing left to check on the device (host counts were checked by
+    :func:`check_grouped_args`; ``"loop"`` checks them when it reads them), else the 0-dim
+    bool device tensor "some count is out of range", which is also OR-ed into ``status``
+    (int32 ``[8]``, or its StepStatus; default: the running step's) as ``OVERFLOW_COUNT``.
 
-    status = default_status(device) if status is None else _check_status(status, device)
-    status.narrow(0, L.SS_OVERFLOW, 1).bitwise_or_(bad.to(torch.int32) * L.OVERFLOW_COUNT)
+    Args:
+        tokens_per_expert: int32/int64 ``[experts]`` counts on x's device.
+        rows: rows of x.
+    """
+    if impl == "loop":
+        return None
+    bad = _bad_counts(tokens_per_expert, rows)
+    if bad is not None:
+        flag_bad_counts(bad, tokens_per_expert.device, status)
+    return bad
+
+
+def flag_bad_counts(bad: torch.Tensor, device: torch.device, status=None) -> None:
+    """OR ``OVERFLOW_COUNT`` into ``status[SS_OVERFLOW]`` where the 0-dim bool ``bad`` holds
+    (on the device, no host read); ``status`` as for :func:`check_counts`."""
+    tensor, _ = resolve(status, device)
+    raise_flag(tensor, L.SS_OVERFLOW, bad.to(torch.int32) * L.OVERFLOW_COUNT)
 
 
 def _offsets(tokens_per_expert: torch.Tensor, bad: torch.Tensor | None) -> torch.Tensor:
@@ -429,7 +485,7 @@ class _GroupedMM(torch.autograd.Function):
     def forward(ctx, x, weight, tokens_per_expert, impl, bad):
         ctx.save_for_backward(x, weight, tokens_per_expert)
         ctx.impl, ctx.bad = impl, bad
-        return _forward(x, weight, tokens_per_expert, impl, bad)
+        return grouped_product(x, weight, tokens_per_expert, impl, bad)
 
     @staticmethod
     def backward(ctx, grad):
@@ -439,14 +495,27 @@ class _GroupedMM(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
-def _check_grouped_args(x, weight, tokens_per_expert) -> None:
-    require_tensor("x", x, "a 2-D floating tensor")
-    require_tensor("weight", weight, "a 3-D floating tensor")
-    if x.dim() != 2 or weight.dim() != 3 or weight.shape[2] != x.shape[1]:
-        raise ValueError(f"weight: expected [experts, out, {x.shape[1] if x.dim() == 2 else 'in'}]"
-                         f" for x {tuple(x.shape)}, got {describe(weight)}")
-    if weight.dtype != x.dtype or weight.device != x.device:
-        raise TypeError(f"weight: expected dtype {x.dtype} on {x.device}, got {describe(weight)}")
+def check_grouped_args(x, weight, tokens_per_expert, *, x_name: str = "x",
+                       weight_name: str = "weight", out_name: str = "out") -> None:
+    """The argument checks of :func:`grouped_mm` (TypeError/ValueError naming the argument by
+    the names given: :func:`~graphstash.moe.expert_mlp` calls its first weight ``w1``).
+    Counts on the host are checked here too (NOTE [expert counts])."""
+    require_float(x_name, x, "a 2-D floating tensor [rows, in]")
+    if x.dim() != 2:
+        raise ValueError(f"{x_name}: expected a 2-D floating tensor [rows, in], got "
+                         f"{describe(x)}")
+    expected = f"a 3-D tensor [experts, {out_name}, {x.shape[1]}] in {x.dtype} on {x.device}"
+    require_float(weight_name, weight, expected)
+    if weight.dim() != 3 or weight.shape[2] != x.shape[1]:
+        transposed = weight.dim() == 3 and weight.shape[1] == x.shape[1]
+        raise ValueError(f"{weight_name}: expected {expected} (the layout "
+                         f"[experts, out, in], as nn.Linear and HuggingFace's experts hold "
+                         f"it), got {describe(weight)}"
+                         + ("; it looks transposed" if transposed else ""))
+    if weight.dtype != x.dtype:
+        raise TypeError(f"{weight_name}: expected {expected}, got {describe(weight)}")
+    if weight.device != x.device:
+        raise ValueError(f"{weight_name}: expected {expected}, got {describe(weight)}")
     expected = f"an int32 or int64 tensor of shape ({weight.shape[0]},) on {x.device}"
     require_tensor("tokens_per_expert", tokens_per_expert, expected)
     if tokens_per_expert.dtype not in COUNT_DTYPES:
@@ -455,7 +524,7 @@ def _check_grouped_args(x, weight, tokens_per_expert) -> None:
         raise ValueError(f"tokens_per_expert: expected {expected}, got "
                          f"{describe(tokens_per_expert)}")
     if weight.shape[0] == 0:
-        raise ValueError(f"weight: expected at least one expert, got {describe(weight)}")
+        raise ValueError(f"{weight_name}: expected at least one expert, got {describe(weight)}")
     if _counts_readable(tokens_per_expert):          # NOTE [expert counts]
         _host_counts(tokens_per_expert, x.shape[0])
 
@@ -510,7 +579,7 @@ def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor | None, weight: torch.T
             backward temporaries] in ``mlp.py``); the values are the same either way.
     Returns ``(grad_x [rows, in], grad_weight [experts, out, in])``. Rows of ``grad_x`` past
     the counts are unspecified, as are those of a forward's output; rows of ``grad`` and
-    ``x`` past the counts are read only by ``"masked"`` (which multiplies them by zero).
+    ``x`` past the counts never reach a result (NOTE [rows past the counts]).
     """
     if need_weight and x is None:
         raise ValueError("x: the weight gradient needs the forward's input, got None")
@@ -534,6 +603,7 @@ def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor | None, weight: torch.T
             grad_w = torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets)
         return grad_x, grad_w
     if impl == "masked":
+        # NOTE [rows past the counts]: both operands are selected, not multiplied by zero
         starts, ends = _group_bounds(tokens_per_expert, bad)
         where = torch.arange(rows, device=grad.device).unsqueeze(1)
         zero = torch.zeros((), dtype=grad.dtype, device=grad.device)
@@ -541,11 +611,12 @@ def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor | None, weight: torch.T
             grad_x = grad.new_zeros(rows, weight.shape[2])
         per_expert = []
         for e in range(weight.shape[0]):
-            g = torch.where((where >= starts[e]) & (where < ends[e]), grad, zero)
+            mine = (where >= starts[e]) & (where < ends[e])
+            g = torch.where(mine, grad, zero)
             if need_x:
                 grad_x = grad_x + g @ weight[e]
             if need_weight:
-                per_expert.append(g.t() @ x)
+                per_expert.append(g.t() @ torch.where(mine, x, zero))
         return grad_x, (torch.stack(per_expert) if need_weight else None)
     if impl == "loop":
         counts = _host_counts(tokens_per_expert, rows)

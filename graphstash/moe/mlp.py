@@ -25,15 +25,21 @@ tokens, which the step keeps anyway (the router's linear saves them). Given the 
 buffer and gathers it again in backward for the first GEMM's weight gradient: one gather per
 layer in backward buys a budget-sized tensor less per layer, in memory and in what a stash
 copies out and back. Under expert parallelism the rows came through an exchange, so the
-permuted buffer is kept.
+permuted buffer is kept. The gather gives the input only if ``x`` is the very tensor the
+dispatch returned and neither it nor the tokens changed since, so :func:`expert_mlp` refuses
+anything else (a ``dropout(permuted)`` gave weight gradients 25.5 off, tokens modified in
+place between dispatch and the experts 14.2 off): the identity of ``x`` and the version
+counters of ``x`` and the tokens at dispatch time are checked in the forward, and the
+tokens' version again in backward before the gather (autograd's own in-place check does not
+run when saved-tensor hooks hold the tokens). While torch.compile traces, versions are not
+graph values; only the identity is checked then.
 
 NOTE [count-aware expert kernels]: the activation, its gate product, the router-weight
 scaling, their backward and the per-row weight-gradient dot run as one fused kernel each way
 (``raw_kernels/moe_experts.cu``; :mod:`graphstash.reference.experts` is the oracle) that
 reads the live row count (the sum of ``tokens_per_expert``) on the device and touches only
 rows below it: budget rows past the count cost no time. Their values are left unspecified,
-which the grouped GEMM (``"grouped"``, ``"loop"``) never reads; the ``"masked"`` fallback
-multiplies them by zero, so under it the kernels write zeros there instead.
+which no grouped GEMM lets reach a result (NOTE [rows past the counts] in ``experts.py``).
 
 NOTE [expert backward temporaries]: under a static budget every temporary of the experts'
 backward is budget-sized, and in the first layers of backward they sit beside every other
@@ -62,32 +68,19 @@ pre-activation is ``[rows, 2 * ffn]``).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
 from .._checks import describe, require_tensor
+from ..reference.arithmetic import acc_dtype
 from ..reference.experts import ACTIVATIONS
-from .experts import (TRUSTED, _bad_counts, _check_grouped_args, _flag_bad_counts, _forward,
-                      _GroupedMM, grouped_mm_grads, resolve_impl)
+from ._dispatch import check_handle
+from .backend import kernels_for
+from .experts import (TRUSTED, check_counts, check_grouped_args, grouped_mm_grads,
+                      grouped_mm_resolved, grouped_product, resolve_impl)
 
 __all__ = ["expert_mlp"]
-
-
-def _ops(device: torch.device):
-    """The expert activation kernels for ``device``: CuPy on CUDA when they can run, else the
-    pure-torch reference (the oracle)."""
-    from .. import _backend
-
-    name, _ = _backend.resolve("auto", device)
-    if name == "cupy":
-        from .._kernels import experts as ops
-    else:
-        from ..reference import experts as ops
-    return ops
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class _RegatheredGEMM(torch.autograd.Function):
@@ -98,13 +91,16 @@ class _RegatheredGEMM(torch.autograd.Function):
     def forward(ctx, x, source, w1, counts, impl, handle, bad):
         ctx.save_for_backward(source, w1, counts)
         # the handle without its own reference to the tokens: they reach backward only
-        # through save_for_backward (version check, saved-tensor hooks)
-        ctx.impl, ctx.handle, ctx.bad = impl, dataclasses.replace(handle, source=None), bad
-        return _forward(x, w1, counts, impl, bad)
+        # through save_for_backward (saved-tensor hooks); a weak one checks their version
+        ctx.impl, ctx.bad = impl, bad
+        ctx.handle = dataclasses.replace(handle, source=None, permuted_ref=None)
+        ctx.source_ref = weakref.ref(source)
+        return grouped_product(x, w1, counts, impl, bad)
 
     @staticmethod
     def backward(ctx, grad):
         source, w1, counts = ctx.saved_tensors
+        ctx.handle.check_source(ctx.source_ref())       # NOTE [regathered input]
         grad = grad.contiguous()
         x = ctx.handle.regather(source)
         del source
@@ -122,12 +118,11 @@ class _ActivatedGEMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, pre, row_weight, w2, counts, impl, gated, bad):
-        ops = _ops(pre.device)
+        ops = kernels_for("auto", pre.device)
         live = counts.sum().view(1)
-        zero_tail = impl == "masked"
         a = pre.new_empty(pre.shape[0], w2.shape[2])
-        ops.act_forward(a, pre, row_weight, live, gated=gated, zero_tail=zero_tail)
-        y = _forward(a, w2, counts, impl, bad)
+        ops.act_forward(a, pre, row_weight, live, gated=gated)
+        y = grouped_product(a, w2, counts, impl, bad)
         ctx.save_for_backward(pre, row_weight, w2, counts)
         ctx.impl, ctx.gated, ctx.ops, ctx.bad = impl, gated, ops, bad
         return y
@@ -137,12 +132,11 @@ class _ActivatedGEMM(torch.autograd.Function):
         pre, row_weight, w2, counts = ctx.saved_tensors
         ops, impl, gated = ctx.ops, ctx.impl, ctx.gated
         grad_y = grad_y.contiguous()
-        zero_tail = impl == "masked"
         live = counts.sum().view(1)
         # NOTE [expert backward temporaries]: the recomputed activation lives only for the
         # weight gradient; the activation's gradient then takes its memory
         a = pre.new_empty(pre.shape[0], w2.shape[2])
-        ops.act_forward(a, pre, row_weight, live, gated=gated, zero_tail=zero_tail)
+        ops.act_forward(a, pre, row_weight, live, gated=gated)
         _, grad_w2 = grouped_mm_grads(grad_y, a, w2, counts, impl, bad=ctx.bad, need_x=False)
         del a
         grad_a, _ = grouped_mm_grads(grad_y, None, w2, counts, impl, bad=ctx.bad,
@@ -150,19 +144,19 @@ class _ActivatedGEMM(torch.autograd.Function):
         del grad_y
         grad_row = None
         if row_weight is not None and ctx.needs_input_grad[1]:
-            grad_row = torch.empty(pre.shape[0], dtype=_acc_dtype(pre.dtype), device=pre.device)
+            grad_row = torch.empty(pre.shape[0], dtype=acc_dtype(pre.dtype), device=pre.device)
         over = _may_overwrite(pre)
         grad_pre = pre if over else torch.empty_like(pre)
         ops.act_backward(grad_pre, grad_row, grad_a.contiguous(), pre, row_weight, live,
-                         gated=gated, zero_tail=zero_tail)
+                         gated=gated)
         if over:
             torch.autograd.graph.increment_version(pre)
         if grad_row is not None:
-            # rows past the count carry no router weight (dispatch gives them 0)
+            # rows past the count carry no router weight (dispatch gives them 0) and were not
+            # computed (NOTE [count-aware expert kernels])
+            rows = torch.arange(pre.shape[0], device=pre.device)
             grad_row = grad_row.to(row_weight.dtype)
-            if not zero_tail:
-                rows = torch.arange(pre.shape[0], device=pre.device)
-                grad_row = torch.where(rows < live, grad_row, torch.zeros_like(grad_row))
+            grad_row = torch.where(rows < live, grad_row, torch.zeros_like(grad_row))
         return grad_pre, grad_row, grad_w2, None, None, None, None
 
 
@@ -202,7 +196,10 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         impl: as for :func:`~graphstash.moe.grouped_mm`, for each of the two GEMMs.
         handle: the :class:`~graphstash.moe.DispatchHandle` of the dispatch that produced x;
             on one device x is then gathered again in backward instead of being kept (NOTE
-            [regathered input]). Ignored under expert parallelism.
+            [regathered input]): x must be the very ``permuted`` tensor that dispatch
+            returned, and neither it nor the dispatched tokens may be modified since
+            (ValueError naming ``handle`` or ``x`` otherwise). Under expert parallelism x is
+            kept.
     Returns ``[rows, hidden_out]``; rows past the counts are unspecified. Differentiable in
     x, w1, w2 and row_weight. Autograd keeps x and the pre-activation, no more (NOTE [expert
     MLP saved tensors]); the elementwise work touches only the rows inside the counts (NOTE
@@ -213,41 +210,43 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                        gated=True, handle=handle)
         out = combine(y, handle, weighted=False)
     """
-    _check_grouped_args(x, w1, tokens_per_expert)
     if not isinstance(gated, bool):
         raise TypeError(f"gated: expected a bool, got {type(gated).__name__}")
+    check_grouped_args(x, w1, tokens_per_expert, weight_name="w1",
+                       out_name="2 * ffn" if gated else "ffn")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
     if gated and w1.shape[1] % 2:
         raise ValueError(f"w1: gated experts need [experts, 2 * ffn, hidden] (gate rows, then "
                          f"up rows), got an odd row count: {describe(w1)}")
     ffn = w1.shape[1] // 2 if gated else w1.shape[1]
-    require_tensor("w2", w2, "a 3-D floating tensor")
+    expected = f"[{w1.shape[0]}, hidden_out, {ffn}] in {x.dtype} on {x.device}"
+    require_tensor("w2", w2, f"a 3-D floating tensor {expected}")
+    if w2.dtype != x.dtype:
+        raise TypeError(f"w2: expected {expected}, got {describe(w2)}")
     if (w2.dim() != 3 or w2.shape[0] != w1.shape[0] or w2.shape[2] != ffn
-            or w2.dtype != x.dtype or w2.device != x.device):
-        raise ValueError(f"w2: expected [{w1.shape[0]}, hidden_out, {ffn}] in "
-                         f"{x.dtype} on {x.device}, got {describe(w2)}")
+            or w2.device != x.device):
+        raise ValueError(f"w2: expected {expected}, got {describe(w2)}")
     if row_weight is not None:
         require_tensor("row_weight", row_weight, "a 1-D floating tensor")
         if (tuple(row_weight.shape) != (x.shape[0],) or row_weight.dtype != x.dtype
                 or row_weight.device != x.device):
             raise ValueError(f"row_weight: expected [{x.shape[0]}] in {x.dtype} on {x.device}, "
                              f"got {describe(row_weight)}")
+    regather = False
+    if handle is not None:
+        check_handle(handle)
+        regather = handle.local and handle.source is not None
+        if regather:
+            handle.check_expert_input(x)             # NOTE [regathered input]
     # NOTE [expert counts]: a dispatch's own counts need no check; others are checked once
-    trusted = handle is not None and tokens_per_expert is handle.tokens_per_expert
     impl1 = resolve_impl(x, w1, impl)
     bad = TRUSTED
-    if not trusted:
-        bad = None if impl1 == "loop" else _bad_counts(tokens_per_expert, x.shape[0])
-        if bad is not None:
-            _flag_bad_counts(bad, x.device, None)
-    if handle is not None and handle.local and handle.source is not None:
-        if tuple(x.shape) != (handle.budget_rows, handle.hidden) or x.device != handle.device:
-            raise ValueError(f"handle: x must be the permuted output of that dispatch "
-                             f"([{handle.budget_rows}, {handle.hidden}] on {handle.device}), got "
-                             f"{describe(x)}")
+    if handle is None or not handle.trusts_counts(tokens_per_expert):
+        bad = check_counts(tokens_per_expert, x.shape[0], impl1)
+    if regather:
         pre = _RegatheredGEMM.apply(x, handle.source, w1, tokens_per_expert, impl1, handle, bad)
     else:
-        pre = _GroupedMM.apply(x, w1, tokens_per_expert, impl1, bad)
+        pre = grouped_mm_resolved(x, w1, tokens_per_expert, impl1, bad)
     return _ActivatedGEMM.apply(pre, row_weight, w2, tokens_per_expert,
                                 resolve_impl(pre, w2, impl), gated, bad)

@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import torch
 
+from .arithmetic import acc_dtype
+
 ACTIVATIONS = ("silu",)
 LANES = 32          # one warp per row
 BLOCK = 8           # elements a lane handles together (NOTE [row dot order])
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _split(pre: torch.Tensor, ffn: int, gated: bool, acc):
@@ -98,7 +96,7 @@ def act_forward(out: torch.Tensor, pre: torch.Tensor, row_weight: torch.Tensor |
         gated: whether ``pre`` holds gate and up halves.
         zero_tail: write zeros into rows ``>= live`` (else they are left untouched).
     """
-    acc = _acc_dtype(pre.dtype)
+    acc = acc_dtype(pre.dtype)
     ffn = out.shape[1]
     g, u = _split(pre, ffn, gated, acc)
     a = _silu(g)
@@ -123,7 +121,7 @@ def act_backward(grad_pre: torch.Tensor, grad_row: torch.Tensor | None, grad_out
         pre, row_weight, live, gated: as in the forward.
         zero_tail: write zeros into the rows ``>= live`` of grad_pre and grad_row.
     """
-    acc = _acc_dtype(pre.dtype)
+    acc = acc_dtype(pre.dtype)
     ffn = grad_out.shape[1]
     mask = _live_mask(grad_pre.shape[0], live, grad_pre.device)
     g, u = _split(pre, ffn, gated, acc)

@@ -14,9 +14,7 @@ from typing import Callable
 
 import torch
 
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .arithmetic import acc_dtype
 
 
 def _rows(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,14 +51,14 @@ def combine_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
         weight: ``[N, K]`` in the accumulator dtype (float32; float64 for float64 data),
             or ``None`` for weights of 1.
     """
-    acc_dtype = _acc_dtype(src.dtype)
-    acc = torch.zeros(out.shape, dtype=acc_dtype, device=out.device)
+    acc_type = acc_dtype(src.dtype)
+    acc = torch.zeros(out.shape, dtype=acc_type, device=out.device)
     for k in range(index.shape[1]):
         picked, valid = _rows(src, index[:, k])
-        term = picked.to(acc_dtype)
+        term = picked.to(acc_type)
         if weight is not None:
             term = weight[:, k:k + 1] * term          # rounded product, then a rounded sum
-        acc = acc + torch.where(valid.unsqueeze(1), term, torch.zeros((), dtype=acc_dtype,
+        acc = acc + torch.where(valid.unsqueeze(1), term, torch.zeros((), dtype=acc_type,
                                                                       device=out.device))
     out.copy_(acc.to(out.dtype))
 
@@ -75,10 +73,10 @@ def weight_grad(out: torch.Tensor, grad: torch.Tensor, src: torch.Tensor,
         src: ``[M, H]`` the rows that were combined.
         index: int32 ``[N, K]``, ``-1`` for an empty slot.
     """
-    acc_dtype = _acc_dtype(grad.dtype)
+    acc_type = acc_dtype(grad.dtype)
     picked, valid = _rows(src, index)                       # [N, K, H]
-    dots = (picked.to(acc_dtype) * grad.to(acc_dtype).unsqueeze(1)).sum(-1)
-    out.copy_(torch.where(valid, dots, torch.zeros((), dtype=acc_dtype, device=out.device))
+    dots = (picked.to(acc_type) * grad.to(acc_type).unsqueeze(1)).sum(-1)
+    out.copy_(torch.where(valid, dots, torch.zeros((), dtype=acc_type, device=out.device))
               .reshape(-1))
 
 

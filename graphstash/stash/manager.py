@@ -96,12 +96,13 @@ import torch
 
 from .. import _kernels
 from .. import _layout as L
-from .._checks import check_status, describe, forbid_capture, is_capturing, normalize_device
+from .._checks import describe, forbid_capture, is_capturing, normalize_device
 from .._saved import Kept, RetireQueue, SideStream, movable
 from .._saved.registry import thread_stack
-from ..errors import (CaptureError, ReleasedError, SavedTensorsError, StaleHandleError,
-                      StashOverflowError)
-from ..paging import PagedStashBuffer, new_status
+from ..errors import (CaptureError, OverBudgetError, ReleasedError, SavedTensorsError,
+                      StaleHandleError, StashOverflowError)
+from ..paging import PagedStashBuffer
+from ..status import StepStatus
 from ._group import Entry, Group
 from ._schedule import Schedule, replay_demand
 from .config import StashConfig
@@ -129,11 +130,14 @@ class StashManager:
         config: a :class:`StashConfig` (default: ``StashConfig()``).
         device: where the stashed tensors live (default: the current CUDA device, or the CPU
             when torch sees no GPU; the CPU runs the reference backend without streams).
-        status: optional int32 ``[8]`` status tensor on ``device`` to share (the graph
-            manager passes one so MoE over-budget and stash flags live in one tensor).
-        eager_overflow: what :meth:`end_step` does when the step overflowed (NOTE [eager
-            overflow]): ``"raise"`` :class:`~graphstash.errors.StashOverflowError` (default)
-            or ``"warn"`` (a ``RuntimeWarning``).
+        status: optional int32 ``[8]`` status tensor on ``device`` to share, or its
+            :class:`~graphstash.status.StepStatus` (the graph manager passes one so MoE
+            over-budget and stash flags live in one tensor).
+        eager_overflow: what :meth:`end_step` does when the step overflowed or a MoE dispatch
+            inside ``with manager:`` went over its budget (NOTE [eager overflow]): ``"raise"``
+            :class:`~graphstash.errors.StashOverflowError` /
+            :class:`~graphstash.errors.OverBudgetError` (default) or ``"warn"`` (a
+            ``RuntimeWarning``).
 
     The manager is what :func:`graphstash.graph_step` drives through ``stash=`` (NOTE [step
     protocol] in ``graphstash/graph/protocol.py``).
@@ -165,20 +169,22 @@ class StashManager:
                              f"{eager_overflow!r}")
         self.eager_overflow = eager_overflow
         if status is not None:
-            if not isinstance(status, torch.Tensor):
-                raise TypeError(f"status: expected an int32 tensor of shape ({L.STATUS_SIZE},), "
-                                f"got {type(status).__name__}")
-            dev = normalize_device(status.device, "status")
+            if not isinstance(status, (torch.Tensor, StepStatus)):
+                raise TypeError(f"status: expected an int32 tensor of shape ({L.STATUS_SIZE},) "
+                                f"or a StepStatus, got {type(status).__name__}")
+            owner = StepStatus.adopt(status)          # validates (NOTE [status owner])
+            dev = normalize_device(owner.device, "status")
             if device is not None and normalize_device(device) != dev:
                 raise ValueError(f"status: expected a tensor on device={device}, got "
-                                 f"{describe(status)}")
-            check_status("status", status, dev)
+                                 f"{describe(owner.tensor)}")
         else:
             dev = normalize_device(device)
-            status = new_status(dev)
+            owner = StepStatus(dev)
         self.config = config
         self.device = dev
-        self.status = status
+        self.step_status = owner
+        self.status = owner.tensor
+        self._status_contexts: list = []      # `with manager:` blocks (NOTE [current step])
         self._cuda = dev.type == "cuda"
         self._sides = {"pack": SideStream(dev, "pack"), "unpack": SideStream(dev, "unpack")}
         for side in self._sides.values():
@@ -257,7 +263,7 @@ class StashManager:
     def clear_status(self) -> None:
         """Zero the status flags and marks (``status.zero_()`` on the current stream)."""
         self._join()
-        self.status.zero_()
+        self.step_status.clear()
 
     def end_step(self, *, check: bool = True) -> None:
         """Join the pack and unpack streams into the current stream and drop the step's
@@ -276,22 +282,37 @@ class StashManager:
     def _report_overflow(self) -> None:
         # NOTE [eager overflow]: a stash that overflowed stored nothing and its reload wrote
         # nothing (NOTE [padding rows]), so the step's gradients are wrong and only a device
-        # flag says so. Outside graph_step (which reruns such a step dropless) nobody else
-        # reads that flag: end_step() reads it and raises (or warns). The flag is sticky:
-        # every end_step() reports it until clear_status(), so a caller that goes on without
-        # handling it is told at every step it trains on untrusted gradients.
-        bits = int(self.status[L.SS_OVERFLOW].item())
-        if not bits:
+        # flag says so; likewise a MoE dispatch inside `with manager:` that went over its
+        # budget dropped rows into the manager's status (NOTE [current step] in
+        # graphstash/status.py). Outside graph_step (which reruns such a step dropless) nobody
+        # else reads those flags: end_step() reads them (one sync) and raises (or warns). The
+        # flags are sticky: every end_step() reports them until clear_status(), so a caller
+        # that goes on without handling them is told at every step it trains on untrusted
+        # gradients.
+        status = self.step_status.read()
+        bits, over_budget = status["overflow"], status["over_budget"]
+        if not bits and not over_budget:
             return
-        reasons = " and ".join(name for bit, name in ((L.OVERFLOW_POOL, "the pool was too small"),
-                                                      (L.OVERFLOW_COUNT, "a count was out of range"))
-                               if bits & bit)
-        message = (f"StashManager.end_step(): the stash overflowed ({reasons}); the reloaded "
-                   "tensors, and so this step's gradients, are wrong. Rerun the step under "
-                   "graphstash.dropless(), grow the pool (grow() or size_from_demand()) and call "
-                   "clear_status(); graphstash.graph_step does all of this itself")
+        if bits:
+            reasons = " and ".join(
+                name for bit, name in ((L.OVERFLOW_POOL, "the pool was too small"),
+                                       (L.OVERFLOW_COUNT, "a count was out of range"))
+                if bits & bit)
+            error = StashOverflowError
+            message = (f"StashManager.end_step(): the stash overflowed ({reasons}); the "
+                       "reloaded tensors, and so this step's gradients, are wrong. Rerun the "
+                       "step under graphstash.dropless(), grow the pool (grow() or "
+                       "size_from_demand()) and call clear_status()")
+        else:
+            error = OverBudgetError
+            message = ("StashManager.end_step(): a MoE dispatch of this step routed more rows "
+                       "than its static budget and dropped the rest (status[SS_OVER_BUDGET]); "
+                       "its outputs and gradients differ from a dropless step. Rerun the step "
+                       "under graphstash.dropless() or raise the budget, and call "
+                       "clear_status()")
+        message += "; graphstash.graph_step does all of this itself"
         if self.eager_overflow == "raise":
-            raise StashOverflowError(message)
+            raise error(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def warmup(self) -> None:
@@ -428,9 +449,15 @@ class StashManager:
 
     def __enter__(self) -> "StashManager":
         _default_stack().append(self)
+        # its status is the current one inside the block (NOTE [current step])
+        context = self.step_status.activate()
+        context.__enter__()
+        self._status_contexts.append(context)
         return self
 
     def __exit__(self, *exc) -> bool:
+        if self._status_contexts:
+            self._status_contexts.pop().__exit__(None, None, None)
         # like saved_tensors_hooks: an exit out of order would leave the wrong default behind
         stack = _default_stack()
         if not stack or stack[-1] is not self:
