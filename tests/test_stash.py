@@ -494,9 +494,11 @@ def test_zero_tail_and_copy_blocks_reach_the_buffers(monkeypatch, gen):
 
 def test_capture_error_is_raised_before_anything_breaks(monkeypatch, gen):
     # Stand-in for a capturing stream: sizing and warmup reads must refuse to run.
-    import graphstash.stash.manager as mgr_mod
+    import graphstash.stash.buffers as buffers_mod
+    import graphstash.stash.scheduler as scheduler_mod
     manager = StashManager(StashConfig(min_tensor_bytes=0), device="cpu")
-    monkeypatch.setattr(mgr_mod, "is_capturing", lambda: True)
+    monkeypatch.setattr(scheduler_mod, "is_capturing", lambda: True)     # demand read back
+    monkeypatch.setattr(buffers_mod, "is_capturing", lambda: True)       # buffer created
     x = torch.randn(B, 8, generator=gen, requires_grad=True) * 1
     with pytest.raises(CaptureError, match="warmup step"):
         with stash_activations(torch.tensor([3]), manager=manager):

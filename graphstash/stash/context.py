@@ -6,7 +6,7 @@ import torch
 from .. import _kernels
 from .._checks import COUNT_DTYPES, describe
 from .._mode import is_dropless
-from .._saved import HookContext, Kept, innermost
+from .._saved import HookContext, innermost
 from ._group import Group, Scope
 from .manager import StashManager, current_default
 
@@ -48,12 +48,6 @@ def require_zero_tail(what: str) -> None:
             f"zero_tail: stash_activations group {outer.payload.label} was entered with "
             f"zero_tail=False, but {what} reads the rows past the counts in its backward; "
             "pass zero_tail=True (the default) around it")
-
-
-def _unpack(packed):
-    if isinstance(packed, Kept):
-        return packed.unpack()
-    return packed.group.manager._unpack(packed)
 
 
 class stash_activations:
@@ -130,11 +124,13 @@ class stash_activations:
             group = outer.payload           # same manager: the outer group, inner counts
         else:
             name = "unnamed" if self._name is None else repr(self._name)
+            scheduler = manager.scheduler
             hooks = HookContext(manager, f"stash_activations {name} (StashManager at "
-                                f"{id(manager):#x})", lambda t: manager._pack(group, t), _unpack)
+                                f"{id(manager):#x})", lambda t: scheduler.pack(group, t),
+                                scheduler.unpack)
             hooks.__enter__()               # refuses any other open context
             try:
-                group = manager._open_group(self._name)
+                group = scheduler.open_group(self._name)
             except BaseException:
                 hooks.__exit__(None, None, None)
                 raise
@@ -151,7 +147,7 @@ class stash_activations:
         self._group.scopes.pop()
         if self._hooks is not None:
             self._hooks.__exit__(exc_type, exc, tb)
-            self._manager._close_group(self._group, ok=exc_type is None)
+            self._manager.scheduler.close_group(self._group, ok=exc_type is None)
         return False
 
     def _check_args(self, manager: StashManager) -> None:
