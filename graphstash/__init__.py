@@ -5,16 +5,15 @@ in :func:`warmup`.
 """
 from __future__ import annotations
 
-from .errors import (BackendUnavailableError, CaptureError, GraphstashError, OffloadError,
-                     PoolExhaustedError, ReleasedError, SavedTensorModifiedError,
-                     SavedTensorsError, StaleHandleError, StashOverflowError, UpdateAppliedError)
+from .errors import (BackendUnavailableError, CaptureError, GraphstashError, PoolExhaustedError,
+                     ReleasedError, SavedTensorModifiedError, SavedTensorsError, StaleHandleError,
+                     StashOverflowError, UpdateAppliedError)
 from . import memory, moe
 from ._mode import dropless, is_dropless
 from .graph import GraphStep, GraphStepStats, graph_step
 from .offload import ActivationOffloader, HostPool
 from .paging import PagedStashBuffer, PagedTensor, new_status
-from .stash import (StashConfig, StashManager, current_manager, mark_not_stashable,
-                    stash_activations)
+from .stash import StashConfig, StashManager, current_manager, stash_activations
 from . import swap
 from ._saved import mark_not_movable
 from .swap import TensorSwapper, default_swapper, swap_activations
@@ -45,7 +44,6 @@ __all__ = [
     "GraphStepStats",
     "GraphstashError",
     "HostPool",
-    "OffloadError",
     "PagedStashBuffer",
     "PagedTensor",
     "PoolExhaustedError",
@@ -64,7 +62,6 @@ __all__ = [
     "graph_step",
     "is_dropless",
     "mark_not_movable",
-    "mark_not_stashable",
     "memory",
     "moe",
     "new_status",

@@ -227,8 +227,9 @@ def test_mark_not_movable_is_the_one_opt_out(gen):
             z = y.exp()
     assert off.summary()["g"] == z.numel() * 4     # the exp output moved, marked y did not
     z.sum().backward()
-    off.mark_not_offloadable(x)
-    assert graphstash.stash.mark_not_stashable is graphstash.mark_not_movable
+    for name in ("mark_not_stashable", "mark_not_offloadable"):     # no second spelling
+        assert not hasattr(graphstash, name) and not hasattr(graphstash.stash, name)
+        assert not hasattr(off, name)
 
 
 def _public_modules() -> list[str]:
@@ -249,19 +250,13 @@ def test_import_gives_the_module(name):
     assert getattr(importlib.import_module(parent), leaf) is module
 
 
-def test_swap_function_is_an_alias_with_a_deprecation_warning(gen):
+def test_swap_is_the_module_and_not_a_function():
+    """The compatibility shims of 0.1 are gone (CHANGELOG.md): ``graphstash.swap`` is the
+    module, not callable, and has no ``swap()``; ``OffloadError`` is no more."""
     import graphstash.swap as swap_module
 
-    assert isinstance(swap_module, type(graphstash))
-    swapper = TensorSwapper(device="cpu", min_tensor_bytes=0)
-    with pytest.warns(DeprecationWarning, match="swap_activations"):
-        scope = graphstash.swap("layers.*", swapper=swapper)
-    with pytest.warns(DeprecationWarning, match="swap_activations"):
-        swap_module.swap("layers.*", swapper=swapper)
-    with scope:
-        z = (_rows(gen) * 2).exp()
-    z.sum().backward()
-    assert swapper.swapped_bytes("layers.*") == z.numel() * 4   # the first forward swaps all
+    assert graphstash.swap is swap_module and not callable(swap_module)
+    assert not hasattr(swap_module, "swap") and not hasattr(graphstash, "OffloadError")
 
 
 POLICY_FILES = ["offload.py", "swap.py", "paging.py", "stash", "_saved", "graph"]

@@ -12,7 +12,7 @@ import graphstash
 from graphstash import (CaptureError, ReleasedError, SavedTensorsError, StaleHandleError,
                         StashOverflowError)
 from graphstash.bench.stash import ExpertStack, make_inputs
-from graphstash.stash import (StashConfig, StashManager, current_manager, mark_not_stashable,
+from graphstash.stash import (StashConfig, StashManager, current_manager,
                               stash_activations)
 
 from _schedule import one_f_one_b, run_schedule
@@ -239,7 +239,7 @@ def test_filter_leaves_params_small_marked_and_odd_tensors(gen):
 
     param = torch.nn.Parameter(torch.randn(B, 8, generator=gen))
     small = torch.randn(B, 1, generator=gen) + 1            # 768 bytes < 1024
-    marked = mark_not_stashable(torch.randn(B, 8, generator=gen) + 2)
+    marked = graphstash.mark_not_movable(torch.randn(B, 8, generator=gen) + 2)
     strided = (torch.randn(8, B, generator=gen) + 3).t()      # [B, 8] not contiguous
     big = torch.randn(B, 8, generator=gen) + 4                 # stashed
     other = torch.randn(B - 1, 8, generator=gen) + 5           # not the budget

@@ -8,11 +8,10 @@ the status tensor; :class:`StashConfig` says how it sizes them. See the NOTE blo
 """
 from __future__ import annotations
 
-from .._saved import mark_not_movable as mark_not_stashable
 from .config import StashConfig
 from .context import current_manager, require_zero_tail, stash_activations
 from .manager import StashManager
 from .trace import StashTrace
 
-__all__ = ["StashConfig", "StashManager", "StashTrace", "current_manager", "mark_not_stashable",
-           "require_zero_tail", "stash_activations"]
+__all__ = ["StashConfig", "StashManager", "StashTrace", "current_manager", "require_zero_tail",
+           "stash_activations"]

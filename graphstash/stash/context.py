@@ -59,7 +59,7 @@ class stash_activations:
     when the context exits, and reloaded on its unpack stream before their backward.
     Parameters, leaf tensors that require grad, tensors smaller than
     ``StashConfig.min_tensor_bytes``, non-contiguous ones, ones on another device and ones
-    marked with :func:`mark_not_stashable` are left to autograd. In dropless mode
+    marked with :func:`graphstash.mark_not_movable` are left to autograd. In dropless mode
     (:func:`graphstash.dropless`) the context does nothing at all.
 
     Args:
