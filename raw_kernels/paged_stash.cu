@@ -163,7 +163,7 @@ __device__ __forceinline__ void zero_span(unsigned char* __restrict__ dst, long 
 }
 
 // This block's share [begin, end) of a byte stream of `bytes` bytes, cut at vector boundaries:
-// NOTE [balanced split] every block of the (fully resident) grid gets the same number of
+// NOTE [balanced split]: every block of the (fully resident) grid gets the same number of
 // vectors. Used for zero-filling, where the work is write-only and light.
 template <typename V>
 __device__ __forceinline__ void block_share(long long bytes, long long* begin, long long* end) {

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 
 SOURCES = sorted(p.name for p in KERNEL_DIR.glob("*.cu"))
 ARCH = "sm_90"
-# NOTE [kernel names]: gs_<concern>_<op>[_<type>][_g<0|1>][_v<W>]
+# The spelling NOTE [kernel names] sets: gs_<concern>_<op>[_<type>][_g<0|1>][_v<W>]
 NAME = re.compile(r"^gs_[a-z]+(?:_[a-z]+)*?(?:_(?P<type>bf16|f16|f32|f64|i32|i64))?(?:_g[01])?"
                   r"(?:_v(?P<width>1|2|4|8|16|32|64))?$")
 TYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8}

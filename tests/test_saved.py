@@ -7,7 +7,6 @@ name their argument, and every public module importable as a module.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import warnings
 
 import pytest
@@ -257,35 +256,3 @@ def test_swap_is_the_module_and_not_a_function():
 
     assert graphstash.swap is swap_module and not callable(swap_module)
     assert not hasattr(swap_module, "swap") and not hasattr(graphstash, "OffloadError")
-
-
-POLICY_FILES = ["offload.py", "swap.py", "paging.py", "stash", "_saved", "graph"]
-
-
-def test_policies_import_no_private_names_of_other_modules():
-    """stash, offload, swap, the core and the graph manager import public names only (a
-    private *module* such as ``_layout`` is fine; a ``_name`` defined in another one is not)."""
-    import ast
-    import pathlib
-
-    root = pathlib.Path(graphstash.__file__).parent
-    files = [p for entry in POLICY_FILES
-             for p in ([root / entry] if entry.endswith(".py") else (root / entry).rglob("*.py"))]
-    offenders = []
-    for path in files:
-        package = ".".join(("graphstash",) + path.relative_to(root).parent.parts)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ImportFrom) or node.module == "__future__":
-                continue
-            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
-                if node.level else node.module
-            if not base.startswith("graphstash"):
-                continue
-            for alias in node.names:
-                if not alias.name.startswith("_"):
-                    continue
-                try:
-                    importlib.import_module(f"{base}.{alias.name}")      # a private module
-                except ImportError:
-                    offenders.append(f"{path.relative_to(root)}: from {base} import {alias.name}")
-    assert offenders == []

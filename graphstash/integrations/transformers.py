@@ -25,7 +25,7 @@ Inside a :func:`graphstash.graph_step` the flag reaches the step by itself (NOTE
 in ``graphstash/_mode.py``), and with ``stash=True`` the budget-sized activations of every
 experts call go through the step's stash manager (``graph_step(..., stash=StashConfig())``);
 with no stash manager current the experts run unstashed. The manager decides whether stashing
-pays (NOTE [stash plan] in ``graphstash/stash/manager.py``): on one GPU the buffer has no dead
+pays (NOTE [stash plan] in ``graphstash/stash/plan.py``): on one GPU the buffer has no dead
 rows, so under ``StashConfig(policy="auto")`` it steps aside; expert-parallel budgets above the
 live rows are where it saves memory.
 

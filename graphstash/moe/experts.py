@@ -366,7 +366,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Ten
     if impl == "grouped":
         return _grouped_mm_native(x, weight, _offsets(tokens_per_expert, bad))
     # its weight gradient multiplies the rows past the counts by zero: they must be finite, so
-    # a stash group around it must zero them on reload (NOTE [padding rows] in stash/manager.py)
+    # a stash group around it must zero them on reload (NOTE [padding rows] in stash/scheduler.py)
     from ..stash import require_zero_tail
 
     require_zero_tail("grouped_mm's masked dense fallback")

@@ -34,7 +34,7 @@ def require_zero_tail(what: str) -> None:
 
     Inside ``stash_activations(..., zero_tail=False)`` this raises ValueError naming
     ``zero_tail``: a reload would leave those rows unwritten and that backward would read
-    garbage (NaN gradients, NOTE [padding rows] in ``manager.py``). Anywhere else it does
+    garbage (NaN gradients, NOTE [padding rows] in ``scheduler.py``). Anywhere else it does
     nothing. Ops whose backward may touch padding rows call it before saving their inputs.
 
     Example::
@@ -69,7 +69,7 @@ class stash_activations:
         manager: the :class:`StashManager` (default: :func:`current_manager`).
         name: label of the group in the recorded schedule and in error messages.
         max_tokens: the budget (rows, or rows per segment); default: inferred (NOTE [budget]
-            in ``graphstash/stash/manager.py``).
+            in ``graphstash/stash/plan.py``).
         zero_tail: reloads write zeros into the rows past the counts (default), so no
             backward sees stale memory there (NOTE [padding rows]). ``False`` skips those
             writes (less memory traffic); pass it only when no backward reads the rows past
