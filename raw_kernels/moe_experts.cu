@@ -57,6 +57,23 @@ __device__ __forceinline__ void zero8(T* __restrict__ p, long long j0, long long
 template <typename A>
 __device__ __forceinline__ A silu_of(A g) { return acc_div(g, acc_add(A(1), acc_exp(-g))); }
 
+// The rows an expert kernel's warp walks (gs_loops.cuh) and the geometry of a row: pre is
+// [rows, ffn] or, gated, [rows, 2 * ffn]; a row is `blocks` blocks of GS_BLOCK elements.
+struct ExpertRows : WarpRows {
+    long long pre_stride;   // elements between two rows of pre (and of grad_pre)
+    long long blocks;       // GS_BLOCK-element blocks of a row (the last one may be partial)
+};
+
+template <bool GATED>
+__device__ __forceinline__ ExpertRows expert_rows(const long long* __restrict__ live,
+                                                  long long rows, long long ffn, int zero_tail) {
+    ExpertRows e;
+    static_cast<WarpRows&>(e) = warp_rows(live, rows, zero_tail);
+    e.pre_stride = GATED ? 2 * ffn : ffn;
+    e.blocks = (ffn + GS_BLOCK - 1) / GS_BLOCK;
+    return e;
+}
+
 // ---------------------------------------------------------------------------------------
 // gs_expert_act_fwd_<dtype>_g<GATED>_v<W>: out[r, j] = act(pre[r])[j] * w[r] for r < live.
 // One warp per row (grid-stride over rows, persistent grid); lane l handles the 8-element
@@ -69,20 +86,18 @@ __device__ void act_fwd_impl(T* __restrict__ out, const T* __restrict__ pre,
                              const T* __restrict__ row_weight, const long long* __restrict__ live,
                              long long rows, long long ffn, int zero_tail) {
     using A = typename Acc<T>::type;
-    const WarpRows w = warp_rows(live, rows, zero_tail);
-    const long long pre_stride = GATED ? 2 * ffn : ffn;
-    const long long blocks = (ffn + GS_BLOCK - 1) / GS_BLOCK;
+    const ExpertRows w = expert_rows<GATED>(live, rows, ffn, zero_tail);
     for (long long r = w.first; r < w.end; r += w.step) {
         T* o = out + r * ffn;
         if (r >= w.live) {
-            for (long long b = w.lane; b < blocks; b += 32) zero8<T, VEC>(o, b * GS_BLOCK, ffn);
+            for (long long b = w.lane; b < w.blocks; b += 32) zero8<T, VEC>(o, b * GS_BLOCK, ffn);
             continue;
         }
-        const T* g_row = pre + r * pre_stride;
+        const T* g_row = pre + r * w.pre_stride;
         const bool weighted = row_weight != nullptr;
         const A scale = weighted ? to_acc(row_weight[r]) : A(1);
         #pragma unroll 2
-        for (long long b = w.lane; b < blocks; b += 32) {
+        for (long long b = w.lane; b < w.blocks; b += 32) {
             const long long j0 = b * GS_BLOCK;
             A g[GS_BLOCK], a[GS_BLOCK];
             load8<T, VEC>(g_row, j0, ffn, g);
@@ -121,26 +136,24 @@ __device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ gr
                              const T* __restrict__ row_weight, const long long* __restrict__ live,
                              long long rows, long long ffn, int zero_tail) {
     using A = typename Acc<T>::type;
-    const WarpRows w = warp_rows(live, rows, zero_tail);
-    const long long pre_stride = GATED ? 2 * ffn : ffn;
-    const long long blocks = (ffn + GS_BLOCK - 1) / GS_BLOCK;
+    const ExpertRows w = expert_rows<GATED>(live, rows, ffn, zero_tail);
     for (long long r = w.first; r < w.end; r += w.step) {
-        T* gp = grad_pre + r * pre_stride;
+        T* gp = grad_pre + r * w.pre_stride;
         if (r >= w.live) {
-            for (long long b = w.lane; b < blocks; b += 32) {
+            for (long long b = w.lane; b < w.blocks; b += 32) {
                 zero8<T, VEC>(gp, b * GS_BLOCK, ffn);
                 if (GATED) zero8<T, VEC>(gp + ffn, b * GS_BLOCK, ffn);
             }
             if (grad_row != nullptr && w.lane == 0) grad_row[r] = A(0);
             continue;
         }
-        const T* g_row = pre + r * pre_stride;
+        const T* g_row = pre + r * w.pre_stride;
         const T* go_row = grad_out + r * ffn;
         const bool weighted = row_weight != nullptr;
         const A scale = weighted ? to_acc(row_weight[r]) : A(1);
         A dot = A(0);
         #pragma unroll 2
-        for (long long b = w.lane; b < blocks; b += 32) {
+        for (long long b = w.lane; b < w.blocks; b += 32) {
             const long long j0 = b * GS_BLOCK;
             A g[GS_BLOCK], u[GS_BLOCK], ga[GS_BLOCK], dg[GS_BLOCK];
             load8<T, VEC>(g_row, j0, ffn, g);
