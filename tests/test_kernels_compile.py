@@ -20,7 +20,7 @@ from graphstash import _kernels
 from raw_kernels import KERNEL_DIR, TUNABLES_HEADER, int_defines
 
 NVCC = shutil.which("nvcc")
-pytestmark = pytest.mark.skipif(
+NEEDS_NVCC = pytest.mark.skipif(
     NVCC is None, reason="nvcc (the CUDA toolkit) is not installed: the kernel sources cannot "
     "be compiled here")
 
@@ -65,6 +65,7 @@ def test_the_sources_are_found():
     assert {"paged_stash.cu", "moe_dispatch.cu", "moe_experts.cu", "moe_routing.cu"} <= set(SOURCES)
 
 
+@NEEDS_NVCC
 @pytest.mark.parametrize("source", SOURCES)
 def test_source_compiles_with_the_loaders_options(compiled, source):
     code, output = compiled[source]
@@ -72,6 +73,7 @@ def test_source_compiles_with_the_loaders_options(compiled, source):
     assert ENTRY.search(output), f"{source} defines no entry point:\n{output}"
 
 
+@NEEDS_NVCC
 @pytest.mark.parametrize("source", SOURCES)
 def test_entry_points_are_the_ones_the_launchers_register(compiled, source):
     """Every kernel a launcher asks for exists, under a name that follows NOTE [kernel names],
@@ -115,6 +117,7 @@ def test_no_source_writes_a_tunable_default_of_its_own(source):
     assert own == set(), f"{source} defines {sorted(own)}: they belong in {TUNABLES_HEADER}"
 
 
+@NEEDS_NVCC
 @pytest.mark.parametrize("source", SOURCES)
 def test_source_alone_gets_the_defaults(source):
     """Preprocessed without the loader's -D options, every tunable a source uses still
@@ -126,3 +129,18 @@ def test_source_alone_gets_the_defaults(source):
     code = "\n".join(line for line in result.stdout.splitlines() if not line.startswith("#"))
     left = sorted({f"GS_{n}" for n in _kernels.TUNABLES} & set(re.findall(r"\bGS_\w+", code)))
     assert left == [], f"{source} uses {left} without including {TUNABLES_HEADER}"
+
+
+@pytest.mark.gpu
+def test_the_loader_compiles_every_registered_kernel_with_nvrtc():
+    """On a GPU the loader's own compiler (NVRTC through CuPy) builds every source and finds
+    every registered entry point: what nvcc checked above, through the path that runs."""
+    import torch
+
+    pytest.importorskip("cupy")
+    index = torch.cuda.current_device()
+    _kernels.warmup(index)
+    for module_name, (source, kernels) in _kernels.sources().items():
+        assert _kernels.is_compiled(index, module_name), source
+        for kernel in kernels:
+            assert _kernels.resident_blocks(index, module_name, kernel) > 0, kernel
