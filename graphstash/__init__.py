@@ -5,7 +5,7 @@ in :func:`warmup`.
 """
 from __future__ import annotations
 
-from .errors import (BackendUnavailableError, CaptureError, GraphstashError, OffloadError,
+from .errors import (BackendUnavailableError, CaptureError, GraphstashError,
                      OverBudgetError, PoolExhaustedError, ReleasedError,
                      SavedTensorModifiedError, SavedTensorsError, StaleHandleError,
                      StashOverflowError, UpdateAppliedError)
@@ -15,8 +15,7 @@ from .graph import GraphStep, GraphStepStats, graph_step
 from .offload import ActivationOffloader, HostPool
 from .paging import PagedStashBuffer, PagedTensor
 from .status import StepStatus, new_status
-from .stash import (StashConfig, StashManager, current_manager, mark_not_stashable,
-                    stash_activations)
+from .stash import StashConfig, StashManager, current_manager, stash_activations
 from . import swap
 from ._saved import mark_not_movable
 from .swap import TensorSwapper, default_swapper, swap_activations
@@ -47,7 +46,6 @@ __all__ = [
     "GraphStepStats",
     "GraphstashError",
     "HostPool",
-    "OffloadError",
     "OverBudgetError",
     "PagedStashBuffer",
     "PagedTensor",
@@ -68,7 +66,6 @@ __all__ = [
     "graph_step",
     "is_dropless",
     "mark_not_movable",
-    "mark_not_stashable",
     "memory",
     "moe",
     "new_status",

@@ -39,9 +39,6 @@ class SavedTensorsError(GraphstashError):
     ``with manager:``) used wrongly: nested inside another, exited out of order, a group misused."""
 
 
-# The name offload and swap raised it under first.
-OffloadError = SavedTensorsError
-
 
 class SavedTensorModifiedError(SavedTensorsError):
     """A tensor saved for backward was modified in place before backward used it."""

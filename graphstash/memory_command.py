@@ -132,7 +132,7 @@ def _build(mode: str, config: MoEConfig, dev: torch.device, dtype: torch.dtype):
 
 
 def _print_plan(manager) -> None:
-    """The stash manager's decision per layer group (NOTE [stash plan] in stash/manager.py)."""
+    """The stash manager's decision per layer group (NOTE [stash plan] in stash/plan.py)."""
     if manager.plan():
         print("\nstash plan (from the warmup measurement):")
         print(manager.plan_table())

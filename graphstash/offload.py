@@ -32,11 +32,11 @@ import weakref
 import torch
 
 from ._checks import describe, normalize_device, require_positive_int
-from ._saved import HookContext, Kept, RetireQueue, mark_not_movable
+from ._saved import HookContext, Kept, RetireQueue
 from ._saved.host import HostCopier, HostHandle, HostPool, StorageRecord, host_movable, storage_key
-from .errors import OffloadError, SavedTensorModifiedError
+from .errors import SavedTensorsError
 
-__all__ = ["ActivationOffloader", "HostPool", "OffloadError", "SavedTensorModifiedError"]
+__all__ = ["ActivationOffloader", "HostPool"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,7 +82,7 @@ class ActivationOffloader:
     In backward, the first use of a group's tensors (or the gradient reaching its committed
     output) reloads it if needed and prefetches the group before it, so copies overlap compute.
     Tensors saved outside any group, smaller than ``min_tensor_bytes``, marked with
-    :meth:`mark_not_offloadable`, parameters, or not on ``device`` stay on the device.
+    :func:`graphstash.mark_not_movable`, parameters, or not on ``device`` stay on the device.
 
     Args:
         min_tensor_bytes: smallest tensor (in bytes) worth moving. Default 1 MiB.
@@ -165,7 +165,7 @@ class ActivationOffloader:
     # -- forward scope ---------------------------------------------------------------------
     def __enter__(self):
         if self._chunk is not None:
-            raise OffloadError("ActivationOffloader entered while its forward is still open: "
+            raise SavedTensorsError("ActivationOffloader entered while its forward is still open: "
                                "each `with offloader:` is one forward and cannot be re-entered")
         hooks = HookContext(self, "ActivationOffloader forward scope", self._pack, self._unpack)
         hooks.__enter__()                   # NOTE [one hook context]: refuses nesting
@@ -189,7 +189,7 @@ class ActivationOffloader:
             self._group = None
             self._chunk = None
             chunk.closed = True
-            raise OffloadError(f"forward scope closed while group {name!r} is open: "
+            raise SavedTensorsError(f"forward scope closed while group {name!r} is open: "
                                "commit every group before leaving `with offloader:`")
         self.flush_delayed()
         chunk.closed = True
@@ -206,10 +206,10 @@ class ActivationOffloader:
 
     def _begin(self, name) -> _Group:
         if self._chunk is None:
-            raise OffloadError(f"group {name!r} started outside `with offloader:`; "
+            raise SavedTensorsError(f"group {name!r} started outside `with offloader:`; "
                                "groups live inside a forward scope")
         if self._group is not None:
-            raise OffloadError(f"group {name!r} started while group {self._group.name!r} is open: "
+            raise SavedTensorsError(f"group {name!r} started while group {self._group.name!r} is open: "
                                "groups do not nest; commit the open group first")
         index = len(self._chunk.groups)
         if name is None:
@@ -224,9 +224,9 @@ class ActivationOffloader:
     def _commit(self, name, release, delay: bool) -> _Group:
         group = self._group
         if group is None:
-            raise OffloadError("group_commit() without an open group: call group_start() first")
+            raise SavedTensorsError("group_commit() without an open group: call group_start() first")
         if name is not None and name != group.name:
-            raise OffloadError(f"group_commit(name={name!r}) but the open group is {group.name!r}")
+            raise SavedTensorsError(f"group_commit(name={name!r}) but the open group is {group.name!r}")
         if not isinstance(delay, bool):
             raise TypeError(f"delay: expected a bool, got {type(delay).__name__}")
         group.release = self._check_release(group, release)
@@ -352,22 +352,6 @@ class ActivationOffloader:
             tensor.register_hook(lambda grad, g=group: self._backward_reached(g))
         return tensor
 
-    def mark_not_offloadable(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Keep ``tensor`` (any shape/dtype/device) and every view of its storage on the device.
-
-        Use it for tensors that stay alive anyway (model inputs, tensors held by the caller):
-        moving them would cost copies and free nothing. Returns ``tensor``. It is the one
-        opt-out mark of graphstash (:func:`graphstash.mark_not_movable`): no stash or swap
-        moves the tensor either.
-
-        Example::
-
-            off.mark_not_offloadable(batch)
-        """
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
-        return mark_not_movable(tensor)
-
     # -- saved-tensor hooks ----------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
         group = self._group
@@ -391,7 +375,7 @@ class ActivationOffloader:
             return packed.unpack()
         rec = packed.owner
         if rec.refs <= 0:
-            raise OffloadError("an offloaded saved tensor was used twice: offloaded activations "
+            raise SavedTensorsError("an offloaded saved tensor was used twice: offloaded activations "
                                "support one backward (no retain_graph=True second backward)")
         packed.saved.check("after it was offloaded")
         group = rec.owner
@@ -418,7 +402,7 @@ class ActivationOffloader:
         if group.state == _READY:
             return
         if group.state == _OPEN:
-            raise OffloadError(f"backward used a tensor of group {group.name!r} while the group "
+            raise SavedTensorsError(f"backward used a tensor of group {group.name!r} while the group "
                                "was still open: commit it before running backward")
         if group.state == _DELAYED:
             # never copied: backward came first, so hand the device tensors over directly
@@ -494,7 +478,7 @@ class ActivationOffloader:
         after an exception or a forward whose graph was dropped. Safe inside a capture.
         """
         if self._chunk is not None:
-            raise OffloadError("reset() inside `with offloader:`; call it between steps")
+            raise SavedTensorsError("reset() inside `with offloader:`; call it between steps")
         for chunk in list(self._chunks):
             self._retire_chunk(chunk)
         self._mover.join()

@@ -22,7 +22,37 @@ from .errors import CaptureError, PoolExhaustedError, ReleasedError, StaleHandle
 from .reference import paged_stash as _reference
 from .status import check_status, new_status
 
-__all__ = ["PagedStashBuffer", "PagedTensor"]
+__all__ = ["MAX_PAGES", "MAX_PAGE_SIZE", "PagedStashBuffer", "PagedTensor"]
+
+# Bounds of a pool the kernels can address: page ids, page counts and record offsets are
+# 32-bit, and a page's rows are counted in 32 bits next to a segment's live rows (which the
+# kernels clamp below 2**30), so larger values could never be allocated or addressed.
+MAX_PAGES = 2**31 - 1
+MAX_PAGE_SIZE = 2**30
+
+
+def check_pool_size(*, page_size: int, device_rows: int, host_rows: int, row_bytes: int,
+                    device: torch.device, names: tuple[str, str, str] = (
+                        "page_size", "max_tokens", "host_tokens")) -> None:
+    """Refuse a pool no GPU could hold, before anything is allocated: ValueError naming the
+    argument (``names``: how the caller calls page size, device rows and host rows), the
+    range expected and the value. Allocates nothing, reads no device memory."""
+    page_name, dev_name, host_name = names
+    if page_size > MAX_PAGE_SIZE:
+        raise ValueError(f"{page_name}: expected an int in [1, {MAX_PAGE_SIZE}] (rows per page; "
+                         f"the kernels count rows in 32 bits), got {page_size}")
+    pages = -(-device_rows // page_size) + -(-host_rows // page_size)
+    if pages > MAX_PAGES:
+        raise ValueError(f"{dev_name}: {device_rows} device + {host_rows} host rows make "
+                         f"{pages} pages of {page_size} rows; expected at most {MAX_PAGES} pages "
+                         "(32-bit page ids)")
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        need = -(-device_rows // page_size) * page_size * row_bytes
+        if need > total:
+            raise ValueError(f"{dev_name}: {device_rows} rows of {row_bytes} bytes take "
+                             f"{need / 2**30:.1f} GiB in pages; expected at most the "
+                             f"{total / 2**30:.1f} GiB of {device}")
 
 
 class _RecordSlots:
@@ -219,6 +249,8 @@ class PagedStashBuffer:
             raise ValueError("max_tokens: expected max_tokens + host_tokens > 0, got 0 + 0")
         self._device = normalize_device(device)
         self._backend, self._backend_reason = _backend.resolve(backend, self._device)
+        check_pool_size(page_size=page_size, device_rows=max_tokens, host_rows=host_tokens,
+                        row_bytes=hidden_size * dtype.itemsize, device=self._device)
         self._dtype = dtype
         self._hidden_size = hidden_size
         self._page_size = page_size
@@ -229,6 +261,9 @@ class PagedStashBuffer:
         self._record_entries = record_entries
         if record_entries is not None:
             require_positive_int("record_entries", record_entries)
+            if record_entries > MAX_PAGES:
+                raise ValueError(f"record_entries: expected an int in [1, {MAX_PAGES}] (32-bit "
+                                 f"record offsets), got {record_entries}")
         self._generation = 0
         self._event = None            # NOTE [lazy ordering event]
         self._last_stream = None      # stream of the last stash/reload/reset

@@ -15,20 +15,11 @@ Example::
             x = x + layer.mlp(x)
     loss = x.float().pow(2).mean()
     loss.backward()
-
-NOTE [swap module alias]: the context function was called ``swap`` like this module, so
-``graphstash.swap`` was a function until ``import graphstash.swap`` made it the module. The
-function is now :func:`swap_activations`; the module stays ``graphstash.swap`` and, for code
-written against the old name, calling the module (or ``graphstash.swap.swap``) still works
-with a ``DeprecationWarning``.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
-import sys
-import types
-import warnings
 import weakref
 
 import torch
@@ -36,7 +27,7 @@ import torch
 from ._checks import normalize_device, require_positive_int
 from ._saved import HookContext, Kept, RetireQueue
 from ._saved.host import HostCopier, HostHandle, HostPool, StorageRecord, host_movable, storage_key
-from .errors import OffloadError
+from .errors import SavedTensorsError
 
 __all__ = ["TensorSwapper", "default_swapper", "swap_activations"]
 
@@ -190,7 +181,7 @@ class TensorSwapper:
         position = len(step.layers)
         index = position if layer_index is None else layer_index
         if any(l.index == index for l in step.layers):
-            raise OffloadError(f"swap scope {tag_name!r} layer {index} entered twice in one "
+            raise SavedTensorsError(f"swap scope {tag_name!r} layer {index} entered twice in one "
                                "forward; call reset() between forwards run before their backward")
         last = tag.learned_layers is not None and position >= tag.learned_layers - 1
         layer = _Layer(index, position, step, swapped=not last)
@@ -275,7 +266,7 @@ class TensorSwapper:
         item = packed.owner
         rec = item.record
         if rec.refs <= 0:
-            raise OffloadError("a swapped saved tensor was used twice: swapped activations "
+            raise SavedTensorsError("a swapped saved tensor was used twice: swapped activations "
                                "support one backward (no retain_graph=True second backward)")
         packed.saved.check("it stayed on the device" if item.state == _KEPT
                            else "after it was swapped out")
@@ -372,7 +363,7 @@ class _SwapScope:
 
     def __enter__(self):
         if self._layer is not None:
-            raise OffloadError(f"{self.description} entered twice; create one scope per layer")
+            raise SavedTensorsError(f"{self.description} entered twice; create one scope per layer")
         swapper, check_fn, prefetch = self.swapper, self.check_fn, self.prefetch
         hooks = HookContext(swapper, self.description,
                             lambda t: swapper._pack(self._layer, check_fn, t),
@@ -401,7 +392,8 @@ _default: TensorSwapper | None = None
 
 
 def default_swapper() -> TensorSwapper:
-    """The process-wide :class:`TensorSwapper` behind :func:`swap` (created on first use)."""
+    """The process-wide :class:`TensorSwapper` behind :func:`swap_activations` (created on first
+    use)."""
     global _default
     if _default is None:
         _default = TensorSwapper()
@@ -425,25 +417,3 @@ def swap_activations(module_tag: str = "default", prefetch: bool = True, check_f
         raise TypeError(f"swapper: expected a TensorSwapper or None, got {type(swapper).__name__}")
     return (swapper or default_swapper()).swap(module_tag, prefetch, check_fn, module_name=module_name)
 
-
-def _warn_deprecated() -> None:
-    warnings.warn("graphstash.swap(...) is deprecated: use graphstash.swap_activations(...) "
-                  "(graphstash.swap is the module)", DeprecationWarning, stacklevel=3)
-
-
-def swap(*args, **kwargs):
-    """Deprecated name of :func:`swap_activations` (NOTE [swap module alias])."""
-    _warn_deprecated()
-    return swap_activations(*args, **kwargs)
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as the deprecated ``graphstash.swap(...)`` (NOTE [swap module
-    alias])."""
-
-    def __call__(self, *args, **kwargs):
-        _warn_deprecated()
-        return swap_activations(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

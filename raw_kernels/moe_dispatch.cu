@@ -9,11 +9,7 @@
 // The weighted sums follow NOTE [exact arithmetic] (gs_dtype.cuh), slot by slot in k order;
 // graphstash/reference/moe.py performs the same operations in the same order, so GPU and
 // reference results agree bit for bit.
-#ifndef GS_THREADS
-#define GS_THREADS 256          // threads per block
-#endif
-
-#define GS_WARPS (GS_THREADS / 32)
+#include "gs_loops.cuh"
 
 #include "gs_dtype.cuh"
 
@@ -27,10 +23,8 @@ template <typename V>
 __device__ void gather_impl(V* __restrict__ dst, const V* __restrict__ src,
                             const int* __restrict__ index, long long rows_out,
                             long long vec_per_row, long long src_rows) {
-    const long long total = rows_out * vec_per_row;
-    const long long stride = static_cast<long long>(gridDim.x) * GS_THREADS;
-    for (long long v = static_cast<long long>(blockIdx.x) * GS_THREADS + threadIdx.x; v < total;
-         v += stride) {
+    const ThreadItems t = thread_items();
+    for (long long v = t.first; v < rows_out * vec_per_row; v += t.step) {
         const long long row = v / vec_per_row;
         const long long col = v - row * vec_per_row;
         const int j = __ldg(index + row);
@@ -53,9 +47,9 @@ GS_GATHER(2, unsigned short)
 GS_GATHER(1, unsigned char)
 
 // ---------------------------------------------------------------------------------------
-// gs_moe_combine_<dtype>_p<N>: dst[i] = sum_k weight[i, k] * src[index[i, k]] over the K
+// gs_moe_combine_<dtype>_v<W>: dst[i] = sum_k weight[i, k] * src[index[i, k]] over the K
 // slots of row i with index >= 0 (weight == nullptr means 1). Grid-stride over the flat
-// (row, pack) space of dst, N elements per pack; each dst pack is written once, accumulated
+// (row, pack) space of dst, N elements (W bytes) per pack; each dst pack is written once, accumulated
 // in registers in k order (NOTE [exact arithmetic]). No atomics.
 // ---------------------------------------------------------------------------------------
 template <typename T, int N>
@@ -66,10 +60,8 @@ __device__ void combine_impl(T* __restrict__ dst, const T* __restrict__ src,
     using A = typename Acc<T>::type;
     using P = Pack<T, N>;
     const long long packs_per_row = hidden / N;
-    const long long total = rows_out * packs_per_row;
-    const long long stride = static_cast<long long>(gridDim.x) * GS_THREADS;
-    for (long long v = static_cast<long long>(blockIdx.x) * GS_THREADS + threadIdx.x; v < total;
-         v += stride) {
+    const ThreadItems t = thread_items();
+    for (long long v = t.first; v < rows_out * packs_per_row; v += t.step) {
         const long long row = v / packs_per_row;
         const long long col = v - row * packs_per_row;
         A acc[N];
@@ -125,9 +117,9 @@ __device__ void weight_grad_impl(typename Acc<T>::type* __restrict__ out,
     }
 }
 
-#define GS_COMBINE(NAME, T, N)                                                                 \
+#define GS_COMBINE(NAME, T, N, W)                                                              \
     extern "C" __global__ void __launch_bounds__(GS_THREADS)                                   \
-        gs_moe_combine_##NAME##_p##N(T* dst, const T* src, const int* index,                   \
+        gs_moe_combine_##NAME##_v##W(T* dst, const T* src, const int* index,                   \
                                      const Acc<T>::type* weight, int K, long long rows_out,    \
                                      long long hidden, long long src_rows) {                   \
         combine_impl<T, N>(dst, src, index, weight, K, rows_out, hidden, src_rows);            \
@@ -140,16 +132,17 @@ __device__ void weight_grad_impl(typename Acc<T>::type* __restrict__ out,
         weight_grad_impl<T>(out, grad, src, index, K, pairs, hidden, src_rows);               \
     }
 
-// One combine per dtype and pack size (16-byte packs, or single elements when the row width
-// or a base address does not allow them); one weight-gradient kernel per dtype.
-GS_COMBINE(bf16, Bf16, 8)
-GS_COMBINE(bf16, Bf16, 1)
-GS_COMBINE(f16, F16, 8)
-GS_COMBINE(f16, F16, 1)
-GS_COMBINE(f32, float, 4)
-GS_COMBINE(f32, float, 1)
-GS_COMBINE(f64, double, 2)
-GS_COMBINE(f64, double, 1)
+// One combine per dtype and pack: N elements of W = 16 bytes, or single elements (W = the
+// element size) when the row width or a base address does not allow them; one
+// weight-gradient kernel per dtype.
+GS_COMBINE(bf16, Bf16, 8, 16)
+GS_COMBINE(bf16, Bf16, 1, 2)
+GS_COMBINE(f16, F16, 8, 16)
+GS_COMBINE(f16, F16, 1, 2)
+GS_COMBINE(f32, float, 4, 16)
+GS_COMBINE(f32, float, 1, 4)
+GS_COMBINE(f64, double, 2, 16)
+GS_COMBINE(f64, double, 1, 8)
 GS_WEIGHT_GRAD(bf16, Bf16)
 GS_WEIGHT_GRAD(f16, F16)
 GS_WEIGHT_GRAD(f32, float)

@@ -8,11 +8,8 @@
 // The arithmetic is NOTE [expert activation arithmetic] in graphstash/reference/experts.py,
 // rounded as NOTE [exact arithmetic] (gs_dtype.cuh) says, so results equal the reference bit
 // for bit; the row dot follows NOTE [row dot order] there.
-#ifndef GS_THREADS
-#define GS_THREADS 256          // threads per block
-#endif
+#include "gs_loops.cuh"
 
-#define GS_WARPS (GS_THREADS / 32)
 #define GS_BLOCK 8              // elements a lane handles together (NOTE [row dot order])
 
 #include "gs_dtype.cuh"
@@ -60,8 +57,25 @@ __device__ __forceinline__ void zero8(T* __restrict__ p, long long j0, long long
 template <typename A>
 __device__ __forceinline__ A silu_of(A g) { return acc_div(g, acc_add(A(1), acc_exp(-g))); }
 
+// The rows an expert kernel's warp walks (gs_loops.cuh) and the geometry of a row: pre is
+// [rows, ffn] or, gated, [rows, 2 * ffn]; a row is `blocks` blocks of GS_BLOCK elements.
+struct ExpertRows : WarpRows {
+    long long pre_stride;   // elements between two rows of pre (and of grad_pre)
+    long long blocks;       // GS_BLOCK-element blocks of a row (the last one may be partial)
+};
+
+template <bool GATED>
+__device__ __forceinline__ ExpertRows expert_rows(const long long* __restrict__ live,
+                                                  long long rows, long long ffn, int zero_tail) {
+    ExpertRows e;
+    static_cast<WarpRows&>(e) = warp_rows(live, rows, zero_tail);
+    e.pre_stride = GATED ? 2 * ffn : ffn;
+    e.blocks = (ffn + GS_BLOCK - 1) / GS_BLOCK;
+    return e;
+}
+
 // ---------------------------------------------------------------------------------------
-// gs_expert_act_fwd_<dtype>_g<GATED>_v<VEC>: out[r, j] = act(pre[r])[j] * w[r] for r < live.
+// gs_expert_act_fwd_<dtype>_g<GATED>_v<W>: out[r, j] = act(pre[r])[j] * w[r] for r < live.
 // One warp per row (grid-stride over rows, persistent grid); lane l handles the 8-element
 // blocks l, l + 32, ... of the row. pre is [rows, ffn] or, gated, [rows, 2 * ffn] (gate, then
 // up). w may be null (weight 1). Rows in [live, rows) are written as zeros when zero_tail,
@@ -72,24 +86,18 @@ __device__ void act_fwd_impl(T* __restrict__ out, const T* __restrict__ pre,
                              const T* __restrict__ row_weight, const long long* __restrict__ live,
                              long long rows, long long ffn, int zero_tail) {
     using A = typename Acc<T>::type;
-    const long long n_live = min(*live, rows);
-    const long long end = zero_tail ? rows : n_live;
-    const long long pre_stride = GATED ? 2 * ffn : ffn;
-    const long long blocks = (ffn + GS_BLOCK - 1) / GS_BLOCK;
-    const int lane = threadIdx.x & 31;
-    const long long warps = static_cast<long long>(gridDim.x) * GS_WARPS;
-    for (long long r = static_cast<long long>(blockIdx.x) * GS_WARPS + (threadIdx.x >> 5);
-         r < end; r += warps) {
+    const ExpertRows w = expert_rows<GATED>(live, rows, ffn, zero_tail);
+    for (long long r = w.first; r < w.end; r += w.step) {
         T* o = out + r * ffn;
-        if (r >= n_live) {
-            for (long long b = lane; b < blocks; b += 32) zero8<T, VEC>(o, b * GS_BLOCK, ffn);
+        if (r >= w.live) {
+            for (long long b = w.lane; b < w.blocks; b += 32) zero8<T, VEC>(o, b * GS_BLOCK, ffn);
             continue;
         }
-        const T* g_row = pre + r * pre_stride;
+        const T* g_row = pre + r * w.pre_stride;
         const bool weighted = row_weight != nullptr;
-        const A w = weighted ? to_acc(row_weight[r]) : A(1);
+        const A scale = weighted ? to_acc(row_weight[r]) : A(1);
         #pragma unroll 2
-        for (long long b = lane; b < blocks; b += 32) {
+        for (long long b = w.lane; b < w.blocks; b += 32) {
             const long long j0 = b * GS_BLOCK;
             A g[GS_BLOCK], a[GS_BLOCK];
             load8<T, VEC>(g_row, j0, ffn, g);
@@ -104,7 +112,7 @@ __device__ void act_fwd_impl(T* __restrict__ out, const T* __restrict__ pre,
             }
             if (weighted) {
                 #pragma unroll
-                for (int e = 0; e < GS_BLOCK; ++e) a[e] = acc_mul(a[e], w);
+                for (int e = 0; e < GS_BLOCK; ++e) a[e] = acc_mul(a[e], scale);
             }
             store8<T, VEC>(o, j0, ffn, a);
         }
@@ -112,7 +120,7 @@ __device__ void act_fwd_impl(T* __restrict__ out, const T* __restrict__ pre,
 }
 
 // ---------------------------------------------------------------------------------------
-// gs_expert_act_bwd_<dtype>_g<GATED>_v<VEC>: for r < live, from grad_out [rows, ffn]:
+// gs_expert_act_bwd_<dtype>_g<GATED>_v<W>: for r < live, from grad_out [rows, ffn]:
 // grad_pre[r] (gated: [grad_gate | grad_up]) and, when grad_row is not null,
 // grad_row[r] = <grad_out[r], act(pre[r])> (accumulator type; NOTE [row dot order]: each lane
 // sums its blocks' rounded products in order, then a shuffle-down tree; lane 0 writes).
@@ -128,30 +136,24 @@ __device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ gr
                              const T* __restrict__ row_weight, const long long* __restrict__ live,
                              long long rows, long long ffn, int zero_tail) {
     using A = typename Acc<T>::type;
-    const long long n_live = min(*live, rows);
-    const long long end = zero_tail ? rows : n_live;
-    const long long pre_stride = GATED ? 2 * ffn : ffn;
-    const long long blocks = (ffn + GS_BLOCK - 1) / GS_BLOCK;
-    const int lane = threadIdx.x & 31;
-    const long long warps = static_cast<long long>(gridDim.x) * GS_WARPS;
-    for (long long r = static_cast<long long>(blockIdx.x) * GS_WARPS + (threadIdx.x >> 5);
-         r < end; r += warps) {
-        T* gp = grad_pre + r * pre_stride;
-        if (r >= n_live) {
-            for (long long b = lane; b < blocks; b += 32) {
+    const ExpertRows w = expert_rows<GATED>(live, rows, ffn, zero_tail);
+    for (long long r = w.first; r < w.end; r += w.step) {
+        T* gp = grad_pre + r * w.pre_stride;
+        if (r >= w.live) {
+            for (long long b = w.lane; b < w.blocks; b += 32) {
                 zero8<T, VEC>(gp, b * GS_BLOCK, ffn);
                 if (GATED) zero8<T, VEC>(gp + ffn, b * GS_BLOCK, ffn);
             }
-            if (grad_row != nullptr && lane == 0) grad_row[r] = A(0);
+            if (grad_row != nullptr && w.lane == 0) grad_row[r] = A(0);
             continue;
         }
-        const T* g_row = pre + r * pre_stride;
+        const T* g_row = pre + r * w.pre_stride;
         const T* go_row = grad_out + r * ffn;
         const bool weighted = row_weight != nullptr;
-        const A w = weighted ? to_acc(row_weight[r]) : A(1);
+        const A scale = weighted ? to_acc(row_weight[r]) : A(1);
         A dot = A(0);
         #pragma unroll 2
-        for (long long b = lane; b < blocks; b += 32) {
+        for (long long b = w.lane; b < w.blocks; b += 32) {
             const long long j0 = b * GS_BLOCK;
             A g[GS_BLOCK], u[GS_BLOCK], ga[GS_BLOCK], dg[GS_BLOCK];
             load8<T, VEC>(g_row, j0, ffn, g);
@@ -164,7 +166,7 @@ __device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ gr
                 const A ds = acc_mul(sg, acc_add(A(1), acc_mul(g[e], acc_sub(A(1), sg))));
                 if (grad_row != nullptr && j0 + e < ffn)
                     dot = acc_add(dot, acc_mul(ga[e], GATED ? acc_mul(s, u[e]) : s));
-                const A gw = weighted ? acc_mul(ga[e], w) : ga[e];
+                const A gw = weighted ? acc_mul(ga[e], scale) : ga[e];
                 if (GATED) {
                     dg[e] = acc_mul(acc_mul(gw, u[e]), ds);
                     u[e] = acc_mul(gw, s);              // the up projection's gradient
@@ -178,34 +180,36 @@ __device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ gr
         if (grad_row != nullptr) {
             #pragma unroll
             for (int o = 16; o > 0; o >>= 1) dot = acc_add(dot, __shfl_down_sync(0xffffffffu, dot, o));
-            if (lane == 0) grad_row[r] = dot;
+            if (w.lane == 0) grad_row[r] = dot;
         }
     }
 }
 
-#define GS_EXPERT_KERNELS(NAME, T, GATED, VEC)                                                 \
+#define GS_EXPERT_KERNELS(NAME, T, GATED, VEC, W)                                              \
     extern "C" __global__ void __launch_bounds__(GS_THREADS)                                   \
-        gs_expert_act_fwd_##NAME##_g##GATED##_v##VEC(                                          \
+        gs_expert_act_fwd_##NAME##_g##GATED##_v##W(                                            \
             T* out, const T* pre, const T* row_weight, const long long* live, long long rows,  \
             long long ffn, int zero_tail) {                                                    \
         act_fwd_impl<T, GATED, VEC>(out, pre, row_weight, live, rows, ffn, zero_tail);         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GS_THREADS)                                   \
-        gs_expert_act_bwd_##NAME##_g##GATED##_v##VEC(                                          \
+        gs_expert_act_bwd_##NAME##_g##GATED##_v##W(                                            \
             T* grad_pre, Acc<T>::type* grad_row, const T* grad_out, const T* pre,              \
             const T* row_weight, const long long* live, long long rows, long long ffn,         \
             int zero_tail) {                                                                   \
         act_bwd_impl<T, GATED, VEC>(grad_pre, grad_row, grad_out, pre, row_weight, live, rows, \
                                     ffn, zero_tail);                                           \
     }
-#define GS_EXPERT_DTYPE(NAME, T)                                                               \
-    GS_EXPERT_KERNELS(NAME, T, 0, 0)                                                           \
-    GS_EXPERT_KERNELS(NAME, T, 0, 1)                                                           \
-    GS_EXPERT_KERNELS(NAME, T, 1, 0)                                                           \
-    GS_EXPERT_KERNELS(NAME, T, 1, 1)
+// Per dtype (element size SIZE bytes, GS_BLOCK * SIZE = PACK): plain and gated, element by
+// element (W = SIZE) and in GS_BLOCK-element packs (W = PACK).
+#define GS_EXPERT_DTYPE(NAME, T, SIZE, PACK)                                                   \
+    static_assert(sizeof(T) == SIZE && PACK == GS_BLOCK * SIZE, "W of the " #NAME " kernels"); \
+    GS_EXPERT_KERNELS(NAME, T, 0, 0, SIZE)                                                     \
+    GS_EXPERT_KERNELS(NAME, T, 0, 1, PACK)                                                     \
+    GS_EXPERT_KERNELS(NAME, T, 1, 0, SIZE)                                                     \
+    GS_EXPERT_KERNELS(NAME, T, 1, 1, PACK)
 
-// Per dtype: plain and gated, element-wise and 8-element-pack loads.
-GS_EXPERT_DTYPE(bf16, Bf16)
-GS_EXPERT_DTYPE(f16, F16)
-GS_EXPERT_DTYPE(f32, float)
-GS_EXPERT_DTYPE(f64, double)
+GS_EXPERT_DTYPE(bf16, Bf16, 2, 16)
+GS_EXPERT_DTYPE(f16, F16, 2, 16)
+GS_EXPERT_DTYPE(f32, float, 4, 32)
+GS_EXPERT_DTYPE(f64, double, 8, 64)

@@ -12,11 +12,7 @@
 // shared memory) + in lower lanes of its round (__match_any_sync).
 #include "gs_layout.cuh"
 
-#ifndef GS_THREADS
-#define GS_THREADS 256          // threads per block
-#endif
-
-#define GS_WARPS (GS_THREADS / 32)
+#include "gs_tunables.cuh"
 #define GS_CHUNK 256            // pairs per warp chunk: 8 rounds of 32
 
 template <typename I>

@@ -13,29 +13,13 @@
 // page by page. Page g is taken from the device ring while device pages last, the rest from
 // the host ring (spill is per page). The reference backend hands out the same ids.
 #include "gs_layout.cuh"
-
-#ifndef GS_THREADS
-#define GS_THREADS 512          // threads per block
-#endif
-#ifndef GS_UNROLL
-#define GS_UNROLL 8             // vectors each thread keeps in flight per chunk
-#endif
-#ifndef GS_MAX_SEGMENTS
-#define GS_MAX_SEGMENTS 1024    // most segments (experts) one tensor may have
-#endif
-#ifndef GS_MIN_BLOCKS
-#define GS_MIN_BLOCKS 1         // __launch_bounds__ occupancy hint (caps registers when > 1)
-#endif
-#ifndef GS_STREAMING
-#define GS_STREAMING 0          // 1: evict-first loads/stores (__ldcs/__stcs): rows are moved once
-#endif
-
-#define GS_WARPS (GS_THREADS / 32)
+#include "gs_tunables.cuh"
 
 // Per-block view of a tensor's segments, built once per block from the S live counts. The
-// arrays live in dynamic shared memory sized for S by the launcher (gs_segment_smem_bytes):
-// an unsegmented tensor takes a few bytes, so the kernel does not force a large shared-memory
-// carve-out on the multiprocessors it shares with compute kernels.
+// arrays live in dynamic shared memory sized for S by the launcher (_segment_smem in
+// graphstash/_kernels/paged_stash.py): an unsegmented tensor takes a few bytes, so the kernel
+// does not force a large shared-memory carve-out on the multiprocessors it shares with
+// compute kernels.
 struct SegmentTable {
     long long* rows;    // [S + 1] rows[s] = live rows before segment s; rows[S] = all
     int* pages;         // [S + 1] pages[s] = first page of segment s; pages[S] = all
@@ -179,7 +163,7 @@ __device__ __forceinline__ void zero_span(unsigned char* __restrict__ dst, long 
 }
 
 // This block's share [begin, end) of a byte stream of `bytes` bytes, cut at vector boundaries:
-// NOTE [balanced split] every block of the (fully resident) grid gets the same number of
+// NOTE [balanced split]: every block of the (fully resident) grid gets the same number of
 // vectors. Used for zero-filling, where the work is write-only and light.
 template <typename V>
 __device__ __forceinline__ void block_share(long long bytes, long long* begin, long long* end) {

@@ -339,7 +339,7 @@ def test_stash_overflow_grows_budget_and_matches_eager():
     def train_step(x, y):
         # One stash group per layer (the same ops as model(x)). A single group around the
         # whole model would never stash: its backward directly follows its forward, so the
-        # manager keeps its tensors (NOTE [last group kept] in graphstash/stash/manager.py)
+        # manager keeps its tensors (NOTE [last group kept] in graphstash/stash/plan.py)
         # and no budget, however small, can overflow. Here layers 0-2 are stashed (3 groups
         # x 2 saved [512, 64] tensors x 8 pages = 48 pages of demand) and layer 3 is kept.
         h = x

@@ -1,7 +1,7 @@
 """MoE dispatch/combine kernels on the GPU against the reference backend, and CUDA graphs.
 
 Data movement (gather, dispatch, combine, their input gradients) is compared exactly
-(NOTE [exact arithmetic] in raw_kernels/moe_dispatch.cu); the router-weight gradient, a dot
+(NOTE [exact arithmetic] in raw_kernels/gs_dtype.cuh); the router-weight gradient, a dot
 product summed in a different order, within float tolerance.
 """
 from __future__ import annotations

@@ -7,7 +7,6 @@ name their argument, and every public module importable as a module.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import warnings
 
 import pytest
@@ -227,8 +226,9 @@ def test_mark_not_movable_is_the_one_opt_out(gen):
             z = y.exp()
     assert off.summary()["g"] == z.numel() * 4     # the exp output moved, marked y did not
     z.sum().backward()
-    off.mark_not_offloadable(x)
-    assert graphstash.stash.mark_not_stashable is graphstash.mark_not_movable
+    for name in ("mark_not_stashable", "mark_not_offloadable"):     # no second spelling
+        assert not hasattr(graphstash, name) and not hasattr(graphstash.stash, name)
+        assert not hasattr(off, name)
 
 
 def _public_modules() -> list[str]:
@@ -249,48 +249,10 @@ def test_import_gives_the_module(name):
     assert getattr(importlib.import_module(parent), leaf) is module
 
 
-def test_swap_function_is_an_alias_with_a_deprecation_warning(gen):
+def test_swap_is_the_module_and_not_a_function():
+    """The compatibility shims of 0.1 are gone (CHANGELOG.md): ``graphstash.swap`` is the
+    module, not callable, and has no ``swap()``; ``OffloadError`` is no more."""
     import graphstash.swap as swap_module
 
-    assert isinstance(swap_module, type(graphstash))
-    swapper = TensorSwapper(device="cpu", min_tensor_bytes=0)
-    with pytest.warns(DeprecationWarning, match="swap_activations"):
-        scope = graphstash.swap("layers.*", swapper=swapper)
-    with pytest.warns(DeprecationWarning, match="swap_activations"):
-        swap_module.swap("layers.*", swapper=swapper)
-    with scope:
-        z = (_rows(gen) * 2).exp()
-    z.sum().backward()
-    assert swapper.swapped_bytes("layers.*") == z.numel() * 4   # the first forward swaps all
-
-
-POLICY_FILES = ["offload.py", "swap.py", "paging.py", "stash", "_saved", "graph"]
-
-
-def test_policies_import_no_private_names_of_other_modules():
-    """stash, offload, swap, the core and the graph manager import public names only (a
-    private *module* such as ``_layout`` is fine; a ``_name`` defined in another one is not)."""
-    import ast
-    import pathlib
-
-    root = pathlib.Path(graphstash.__file__).parent
-    files = [p for entry in POLICY_FILES
-             for p in ([root / entry] if entry.endswith(".py") else (root / entry).rglob("*.py"))]
-    offenders = []
-    for path in files:
-        package = ".".join(("graphstash",) + path.relative_to(root).parent.parts)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ImportFrom) or node.module == "__future__":
-                continue
-            base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
-                if node.level else node.module
-            if not base.startswith("graphstash"):
-                continue
-            for alias in node.names:
-                if not alias.name.startswith("_"):
-                    continue
-                try:
-                    importlib.import_module(f"{base}.{alias.name}")      # a private module
-                except ImportError:
-                    offenders.append(f"{path.relative_to(root)}: from {base} import {alias.name}")
-    assert offenders == []
+    assert graphstash.swap is swap_module and not callable(swap_module)
+    assert not hasattr(swap_module, "swap") and not hasattr(graphstash, "OffloadError")

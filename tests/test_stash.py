@@ -12,7 +12,7 @@ import graphstash
 from graphstash import (CaptureError, ReleasedError, SavedTensorsError, StaleHandleError,
                         StashOverflowError)
 from graphstash.bench.stash import ExpertStack, make_inputs
-from graphstash.stash import (StashConfig, StashManager, current_manager, mark_not_stashable,
+from graphstash.stash import (StashConfig, StashManager, current_manager,
                               stash_activations)
 
 from _schedule import one_f_one_b, run_schedule
@@ -239,7 +239,7 @@ def test_filter_leaves_params_small_marked_and_odd_tensors(gen):
 
     param = torch.nn.Parameter(torch.randn(B, 8, generator=gen))
     small = torch.randn(B, 1, generator=gen) + 1            # 768 bytes < 1024
-    marked = mark_not_stashable(torch.randn(B, 8, generator=gen) + 2)
+    marked = graphstash.mark_not_movable(torch.randn(B, 8, generator=gen) + 2)
     strided = (torch.randn(8, B, generator=gen) + 3).t()      # [B, 8] not contiguous
     big = torch.randn(B, 8, generator=gen) + 4                 # stashed
     other = torch.randn(B - 1, 8, generator=gen) + 5           # not the budget
@@ -494,9 +494,11 @@ def test_zero_tail_and_copy_blocks_reach_the_buffers(monkeypatch, gen):
 
 def test_capture_error_is_raised_before_anything_breaks(monkeypatch, gen):
     # Stand-in for a capturing stream: sizing and warmup reads must refuse to run.
-    import graphstash.stash.manager as mgr_mod
+    import graphstash.stash.buffers as buffers_mod
+    import graphstash.stash.scheduler as scheduler_mod
     manager = StashManager(StashConfig(min_tensor_bytes=0), device="cpu")
-    monkeypatch.setattr(mgr_mod, "is_capturing", lambda: True)
+    monkeypatch.setattr(scheduler_mod, "is_capturing", lambda: True)     # demand read back
+    monkeypatch.setattr(buffers_mod, "is_capturing", lambda: True)       # buffer created
     x = torch.randn(B, 8, generator=gen, requires_grad=True) * 1
     with pytest.raises(CaptureError, match="warmup step"):
         with stash_activations(torch.tensor([3]), manager=manager):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphstash.offload import ActivationOffloader, OffloadError, SavedTensorModifiedError
+from graphstash.errors import SavedTensorModifiedError, SavedTensorsError
+from graphstash.offload import ActivationOffloader
 from graphstash.swap import TensorSwapper, default_swapper, swap_activations as swap
 
 from _marks import Marker
@@ -81,7 +82,7 @@ def test_wildcard_module_names(gen):
         sw.swap("layers.*.mlp", module_name="layers.3.attn")
     with pytest.raises(ValueError, match="exactly one"):
         sw.swap("layers.*.experts.*", module_name="layers.1.experts.2")
-    with pytest.raises(OffloadError, match="layer 4 entered twice"):
+    with pytest.raises(SavedTensorsError, match="layer 4 entered twice"):
         for _ in range(2):
             with sw.swap("dup.*", module_name="dup.4"):
                 pass
@@ -158,16 +159,16 @@ def test_check_fn_and_min_size(gen):
 def test_misuse_and_inplace(gen):
     sw = TensorSwapper(min_tensor_bytes=0, device="cpu")
     with sw.swap("a.*"):
-        with pytest.raises(OffloadError, match="do not nest"):
+        with pytest.raises(SavedTensorsError, match="do not nest"):
             with sw.swap("b.*"):
                 pass
-        with pytest.raises(OffloadError, match="do not nest"):
+        with pytest.raises(SavedTensorsError, match="do not nest"):
             with ActivationOffloader(device="cpu"):
                 pass
     scope = sw.swap("a.*")
     with scope:
         pass
-    with pytest.raises(OffloadError, match="entered twice"):
+    with pytest.raises(SavedTensorsError, match="entered twice"):
         scope.__enter__()
     with pytest.raises(TypeError, match="module_tag"):
         sw.swap("")

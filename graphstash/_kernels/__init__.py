@@ -15,22 +15,28 @@ import threading
 import numpy as np
 import torch
 
-from raw_kernels import KERNEL_DIR, source_path
+from raw_kernels import KERNEL_DIR, TUNABLES_HEADER, int_defines, source_path
 
 from .._checks import forbid_capture
 from ..errors import BackendUnavailableError
 
-# Tunables: compiled into the kernels with -D (the .cu files hold the same defaults).
-# GRAPHSTASH_TUNABLES="THREADS=512,UNROLL=8" overrides them (for tuning runs).
-THREADS = 512
-UNROLL = 8
-MAX_SEGMENTS = 1024
-MIN_BLOCKS = 1             # __launch_bounds__ minimum blocks per multiprocessor
-STREAMING = 0              # 1: evict-first loads and stores (measured slower)
+# Tunables compiled into the kernels with -D. Their defaults are written once, in
+# raw_kernels/gs_tunables.cuh, and read from there; GRAPHSTASH_TUNABLES="THREADS=256,UNROLL=4"
+# overrides them for a tuning run (docs/kernel-tuning.md).
+TUNABLES = ("THREADS", "UNROLL", "MIN_BLOCKS", "STREAMING")
+_defaults = int_defines(TUNABLES_HEADER)
+THREADS = _defaults["THREADS"]        # threads per block of every launch
+UNROLL = _defaults["UNROLL"]
+MIN_BLOCKS = _defaults["MIN_BLOCKS"]
+STREAMING = _defaults["STREAMING"]
+# Launcher-only settings (not compiled into any kernel):
 BLOCKS_PER_SM = 8          # persistent grid: at most this many blocks per multiprocessor
+# Most segments one stashed tensor may have: the segment table (16 bytes a segment) lives in
+# the kernel's dynamic shared memory, which stays well inside the default 48 KiB per block.
+MAX_SEGMENTS = 1024
 for _item in filter(None, os.environ.get("GRAPHSTASH_TUNABLES", "").split(",")):
     _name, _value = _item.split("=")
-    if _name not in ("THREADS", "UNROLL", "MIN_BLOCKS", "STREAMING", "BLOCKS_PER_SM"):
+    if _name not in TUNABLES + ("BLOCKS_PER_SM",):
         raise ValueError(f"GRAPHSTASH_TUNABLES: unknown tunable {_name!r}")
     globals()[_name] = int(_value)
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)
@@ -76,15 +82,10 @@ def availability() -> tuple[bool, str]:
 
 
 def compile_options() -> tuple[str, ...]:
-    return (
-        "--std=c++17",
-        f"-I{KERNEL_DIR}",
-        f"-DGS_THREADS={THREADS}",
-        f"-DGS_UNROLL={UNROLL}",
-        f"-DGS_MAX_SEGMENTS={MAX_SEGMENTS}",
-        f"-DGS_MIN_BLOCKS={MIN_BLOCKS}",
-        f"-DGS_STREAMING={STREAMING}",
-    )
+    """The NVRTC options every source is compiled with: C++17, ``raw_kernels/`` on the include
+    path, and each tunable as ``-DGS_<NAME>=<value>``."""
+    return ("--std=c++17", f"-I{KERNEL_DIR}",
+            *(f"-DGS_{name}={globals()[name]}" for name in TUNABLES))
 
 
 def _module(device_index: int, name: str):
@@ -220,17 +221,23 @@ def register_source(module_name: str, source: str, kernels: tuple[str, ...]) -> 
     _SOURCES[module_name] = (source, tuple(kernels))
 
 
-def warmup(device=None) -> None:
-    """Compile every registered kernel for ``device`` (default: current CUDA device)."""
+def sources() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """``{module name: (source file, entry points)}`` of every launcher of this package (it
+    imports them: each registers its source). Imports no CuPy, touches no GPU."""
     import importlib
 
     for submodule in KERNEL_MODULES:   # importing each registers its sources
         importlib.import_module(f"{__name__}.{submodule}")
+    return dict(_SOURCES)
 
+
+def warmup(device=None) -> None:
+    """Compile every registered kernel for ``device`` (default: current CUDA device)."""
+    registered = sources()
     cupy = _import_cupy()
     index = torch.device(device if device is not None else "cuda").index
     index = torch.cuda.current_device() if index is None else index
-    for name, (_, kernels) in _SOURCES.items():
+    for name, (_, kernels) in registered.items():
         module = _module(index, name)
         with cupy.cuda.Device(index):
             for kernel in kernels:

@@ -29,8 +29,8 @@ CuPy and touches no GPU: the launcher imports CuPy on its first call.
 
 NOTE [kernels as operators]: operators are defined with ``torch.library.Library`` /
 ``define`` / ``impl`` rather than ``torch.library.custom_op``: the dispatcher calls the
-Python kernel directly, while ``custom_op``'s wrapper adds tens of microseconds of Python per
-call, more than a kernel launch costs (about 27 us). No autograd formula is registered: the
+Python kernel directly, while ``custom_op``'s wrapper adds more Python per call than a kernel
+launch costs (docs/kernel-tuning.md, "Host time per call"). No autograd formula is registered: the
 operators run inside our autograd Functions (``graphstash/moe/_dispatch.py``, ``mlp.py``),
 whose backward calls the operators again, and they have no outputs to differentiate.
 """

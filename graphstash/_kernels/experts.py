@@ -11,26 +11,31 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from raw_kernels import int_defines
+
 from ..reference import experts as _reference
 from . import THREADS, launch, ptr, register_source
 from ._library import kernel_op
 
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32",
-                torch.float64: "f64"}
-_BLOCK = 8                 # elements per lane step (NOTE [row dot order])
+_SOURCE = "moe_experts.cu"
+_DTYPES = {torch.bfloat16: ("bf16", 2), torch.float16: ("f16", 2), torch.float32: ("f32", 4),
+           torch.float64: ("f64", 8)}     # name in the kernel names, element size
+_BLOCK = int_defines(_SOURCE)["BLOCK"]    # elements a lane handles together (NOTE [row dot order])
 _WARPS = THREADS // 32
 
 register_source(
-    "moe_experts", "moe_experts.cu",
-    tuple(f"gs_expert_act_{way}_{n}_g{g}_v{v}" for way in ("fwd", "bwd") for n in
-          _DTYPE_NAMES.values() for g in (0, 1) for v in (0, 1)))
+    "moe_experts", _SOURCE,
+    tuple(f"gs_expert_act_{way}_{name}_g{g}_v{elements * size}" for way in ("fwd", "bwd")
+          for name, size in _DTYPES.values() for g in (0, 1) for elements in (_BLOCK, 1)))
 
 
 def _variant(way: str, pre: torch.Tensor, gated: bool, ffn: int, *tensors) -> str:
-    """Kernel name: 8-element packs when the row width and every base address allow them."""
-    align = _BLOCK * pre.element_size()
-    vec = ffn % _BLOCK == 0 and all(t.data_ptr() % align == 0 for t in (pre, *tensors))
-    return f"gs_expert_act_{way}_{_DTYPE_NAMES[pre.dtype]}_g{int(gated)}_v{int(vec)}"
+    """Kernel name (NOTE [kernel names] in ``raw_kernels/__init__.py``): packs of ``_BLOCK`` elements when
+    the row width and every base address allow them, else element by element."""
+    name, size = _DTYPES[pre.dtype]
+    pack = _BLOCK * size
+    vec = ffn % _BLOCK == 0 and all(t.data_ptr() % pack == 0 for t in (pre, *tensors))
+    return f"gs_expert_act_{way}_{name}_g{int(gated)}_v{pack if vec else size}"
 
 
 def _check_live(live: torch.Tensor) -> None:

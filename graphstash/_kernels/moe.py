@@ -13,20 +13,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from raw_kernels import int_defines
+
 from ..reference import moe as _reference
 from . import THREADS, VECTOR_WIDTHS, launch, ptr, register_source, vector_width
 from ._library import kernel_op
 
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32",
-                torch.float64: "f64"}
-_PACK = {"bf16": 8, "f16": 8, "f32": 4, "f64": 2}      # elements per 16-byte pack
+_DTYPES = {torch.bfloat16: ("bf16", 2), torch.float16: ("f16", 2), torch.float32: ("f32", 4),
+           torch.float64: ("f64", 8)}     # name in the kernel names, element size
 _WARPS = THREADS // 32
 
 register_source(
     "moe_dispatch", "moe_dispatch.cu",
     tuple(f"gs_moe_gather_v{w}" for w in VECTOR_WIDTHS)
-    + tuple(f"gs_moe_combine_{n}_p{p}" for n, pk in _PACK.items() for p in (pk, 1))
-    + tuple(f"gs_moe_weight_grad_{n}" for n in _PACK))
+    + tuple(f"gs_moe_combine_{n}_v{w}" for n, size in _DTYPES.values() for w in (16, size))
+    + tuple(f"gs_moe_weight_grad_{n}" for n, _ in _DTYPES.values()))
 
 
 def _blocks(elements: int) -> int:
@@ -53,16 +54,16 @@ def _combine_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
     rows_out, hidden = out.shape
     if rows_out == 0 or hidden == 0:
         return
-    name = _DTYPE_NAMES[out.dtype]
-    pack = _PACK[name]
-    if hidden % pack or out.data_ptr() % 16 or src.data_ptr() % 16:
-        pack = 1
+    name, size = _DTYPES[out.dtype]
+    width = 16       # bytes a thread moves at once (NOTE [kernel names] in raw_kernels/__init__.py)
+    if (hidden * size) % width or out.data_ptr() % width or src.data_ptr() % width:
+        width = size
     K = index.shape[1]
     wptr = ptr(weight) if weight is not None else np.uint64(0)
     args = (ptr(out), ptr(src), ptr(index), wptr, np.int32(K), np.int64(rows_out),
             np.int64(hidden), np.int64(src.shape[0]))
-    launch("moe_dispatch", f"gs_moe_combine_{name}_p{pack}", _blocks(rows_out * (hidden // pack)),
-           out.device.index, args)
+    launch("moe_dispatch", f"gs_moe_combine_{name}_v{width}",
+           _blocks(rows_out * (hidden * size // width)), out.device.index, args)
 
 
 def _weight_grad(out: torch.Tensor, grad: torch.Tensor, src: torch.Tensor,
@@ -72,7 +73,7 @@ def _weight_grad(out: torch.Tensor, grad: torch.Tensor, src: torch.Tensor,
     pairs = T * K
     if pairs == 0:
         return
-    name = _DTYPE_NAMES[grad.dtype]
+    name = _DTYPES[grad.dtype][0]
     args = (ptr(out), ptr(grad), ptr(src), ptr(index), np.int32(K), np.int64(pairs),
             np.int64(grad.shape[1]), np.int64(src.shape[0]))
     launch("moe_dispatch", f"gs_moe_weight_grad_{name}", max(1, -(-pairs // _WARPS)),
@@ -80,7 +81,7 @@ def _weight_grad(out: torch.Tensor, grad: torch.Tensor, src: torch.Tensor,
 
 
 # ---- routing plan of a one-device dispatch (raw_kernels/moe_routing.cu) --------------------
-_CHUNK = 256                   # pairs per warp chunk (GS_CHUNK)
+_CHUNK = int_defines("moe_routing.cu")["CHUNK"]     # pairs per warp chunk
 _SMEM_LIMIT = 48 * 1024        # default dynamic shared memory a block may take
 
 register_source("moe_routing", "moe_routing.cu",

@@ -24,7 +24,7 @@ def mark_not_movable(t: torch.Tensor) -> torch.Tensor:
 
     Example::
 
-        routing = graphstash.mark_not_stashable(torch.empty(budget, 8, device="cuda"))
+        routing = graphstash.mark_not_movable(torch.empty(budget, 8, device="cuda"))
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t: expected a torch.Tensor, got {type(t).__name__}")

@@ -203,12 +203,11 @@ def stash_config(device: torch.device):
     NOTE [bench pool factor]: the pool is 1.05x the demand of the warmup steps: a layer's
     live rows vary by well under 1 % between random routings here. A step that outgrows it is
     flagged and rerun (the flags column), never silently wrong. Copies get half the
-    multiprocessors (NOTE [copy blocks] in stash/manager.py). A group's reload is issued once
+    multiprocessors (NOTE [copy blocks] in stash/scheduler.py). A group's reload is issued once
     autograd released the group before it (``prefetch="after_release"``, NOTE [prefetch]):
-    in the memory-bound configuration on an H200 that step took 1.047-1.059x graph + budget
-    against 1.053-1.068x issuing it at the last unpack, with the same peak, in four paired
-    runs (``benchmarks/probes/moe_stash_variants.py --prefetch at_last_unpack after_release``;
-    docs/moe-performance.md).
+    in the memory-bound configuration that step was faster than issuing it at the last unpack,
+    with the same peak, in every paired run (the figures and their command:
+    docs/moe-performance.md, change 7).
     """
     import graphstash
 

@@ -240,7 +240,7 @@ def _config_run(name, layers, budget, hidden, ffn, iters, graphs, device, *,
         p.grad = torch.zeros_like(p)
     graphstash.warmup()
     manager = StashManager(StashConfig(), device=device)
-    # Warmup sizing (NOTE [warmup sizing] in graphstash/stash/manager.py): the first step
+    # Warmup sizing (NOTE [warmup sizing] in graphstash/stash/buffers.py): the first step
     # measures demand on the host, the buffers are sized from it, and further steps run the
     # steady state (schedule recorded, buffers fixed) that everything below measures.
     for _ in range(2):

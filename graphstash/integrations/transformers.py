@@ -27,7 +27,7 @@ warns at the caller (NOTE [eager over budget] in ``graphstash/moe/_dispatch.py``
 ``stash=True`` the budget-sized activations of every experts call go through the step's stash
 manager (``graph_step(..., stash=StashConfig())``); with no stash manager current the experts
 run unstashed. The experts run as one :func:`graphstash.moe.moe_layer` (NOTE [moe layer]). The manager decides whether stashing
-pays (NOTE [stash plan] in ``graphstash/stash/manager.py``): on one GPU the buffer has no dead
+pays (NOTE [stash plan] in ``graphstash/stash/plan.py``): on one GPU the buffer has no dead
 rows, so under ``StashConfig(policy="auto")`` it steps aside; expert-parallel budgets above the
 live rows are where it saves memory.
 

@@ -30,7 +30,7 @@ MODES = ("stash", "budget", "dropless", "all")
 
 # Per size: the model and the tokens of one step. "auto" is "medium" on a GPU, "tiny" on a CPU.
 # Budgets leave room for routing skew (1.5-2x the average rows), so the stash has dead rows to
-# free and its plan stashes (NOTE [stash plan] in graphstash/stash/manager.py).
+# free and its plan stashes (NOTE [stash plan] in graphstash/stash/plan.py).
 SIZES = {
     "tiny": MoEConfig(hidden=64, ffn=128, num_experts=8, topk=2, layers=4, num_tokens=256,
                       capacity_factor=2.0, pad_multiple=8),

@@ -1,6 +1,6 @@
 """The peer: a dropless MoE layer written in plain PyTorch, as users write it.
 
-This is what graphstash's MoE path is measured against (DESIGN.md, "Measured against what
+This is what graphstash's MoE path is measured against (docs/design.md, "Measured against what
 users would run instead"): HuggingFace's ``grouped_mm`` experts backend and torchtitan sort the
 (token, slot) pairs by expert, count them with ``histc``, run ``torch._grouped_mm`` over exactly
 ``T * K`` rows with ``cumsum`` offsets, gather the tokens in and ``index_add_`` the weighted

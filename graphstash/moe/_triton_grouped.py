@@ -235,12 +235,11 @@ def _weight_strides(weight):        # b[e] = weight[e]: [out, in]
 
 # NOTE [fp32 forward operand]: the forward's B tile is weight[e].T, read with the reduced
 # dimension contiguous. With 16-bit or tf32 tensor cores that layout costs nothing, but the
-# exact fp32 product ("ieee", no tensor cores) then ran 2.3-3.4x slower than the same kernel
-# computing x's gradient, whose B tile (weight[e]) is row-major (benchmarks/probes/
-# grouped_gemm.py on an H200: 14 against 44 TFLOP/s). So under "ieee" the forward multiplies
-# by a transposed, contiguous copy of the weight instead, made per call: a transient copy of
-# the weight, whose time the probe's forward figures include (now 0.96-1.22x eager
-# torch._grouped_mm at the presets' widths, 2.28-3.43x before; docs/moe-performance.md).
+# exact fp32 product ("ieee", no tensor cores) then ran several times slower than the same
+# kernel computing x's gradient, whose B tile (weight[e]) is row-major. So under "ieee" the
+# forward multiplies by a transposed, contiguous copy of the weight instead, made per call: a
+# transient copy of the weight, whose time the probe's forward figures include (before and
+# after, with the command: docs/moe-performance.md, "Grouped GEMM in every dtype").
 def _forward_operand(weight: torch.Tensor, prec: str, *, stand_in: bool = False):
     """``(b, strides)`` of the forward's B operand (``b[e]`` is ``[in, out]``) for ``prec``
     (NOTE [fp32 forward operand]). ``stand_in``: a view of ``weight`` with the strides the

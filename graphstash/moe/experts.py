@@ -594,8 +594,8 @@ def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor | None, weight: torch.T
         # product with grad^T as the first operand, so it comes out [experts, out, in], the
         # weight's own layout. Computing x^T @ grad and transposing the result (what autograd
         # does for torch._grouped_mm) hands AccumulateGrad a transposed view, which it copies
-        # into a contiguous gradient: a strided pass over every expert weight, measured at
-        # 3.0 ms per Mixtral-8x7B layer on an H200 (docs/moe-performance.md).
+        # into a contiguous gradient: a strided pass over every expert weight (its time per
+        # layer, with the command: docs/moe-performance.md, change 2).
         offsets = _offsets(tokens_per_expert, bad)
         if need_x:
             grad_x = torch._grouped_mm(grad, weight, offs=offsets)

@@ -20,7 +20,7 @@ accumulator dtype (float32; float64 for float64 data), every step rounded:
                                ga = grad_out * w
                                grad_u = ga * s;  grad_g = (ga * u) * ds  (plain: ga * ds)
 
-Only rows ``[0, live)`` are computed (the count-aware contract, DESIGN.md): rows past the
+Only rows ``[0, live)`` are computed (the count-aware contract, docs/design.md): rows past the
 live count are left as they are, or written as zeros with ``zero_tail``.
 """
 from __future__ import annotations

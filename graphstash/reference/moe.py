@@ -3,7 +3,7 @@
 ``gather_rows``, ``combine_rows`` and ``weight_grad`` take the same arguments as their
 counterparts in :mod:`graphstash._kernels.moe` and write the same values into ``out``:
 gathers bit for bit, weighted sums bit for bit too (NOTE [exact arithmetic] in
-``raw_kernels/moe_dispatch.cu``), the weight gradient up to summation order.
+``raw_kernels/gs_dtype.cuh``), the weight gradient up to summation order.
 
 :func:`dense_moe` is the dense, loop-over-experts formulation every dispatch/combine path
 must agree with (within dtype tolerance): ``out[t] = sum_k w[t, k] * expert_k(x[t])``.

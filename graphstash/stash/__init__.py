@@ -3,16 +3,16 @@ streams, schedule recording and reload prefetch.
 
 ``stash_activations(num_tokens)`` marks a layer group; a :class:`StashManager` owns the
 :class:`~graphstash.PagedStashBuffer`\\ s (one per dtype and row width), the side streams and
-the status tensor; :class:`StashConfig` says how it sizes them. See the NOTE blocks in
-``manager.py`` for the scheduling (pre-schedule, prefetch, warmup sizing, capture).
+the status tensor; :class:`StashConfig` says how it sizes them. The design notes are beside
+the code: sizing in ``buffers.py`` (warmup sizing), what is stashed in ``plan.py`` (budget,
+stash plan), the scheduling in ``scheduler.py`` (pre-schedule, prefetch, capture).
 """
 from __future__ import annotations
 
-from .._saved import mark_not_movable as mark_not_stashable
 from .config import StashConfig
 from .context import current_manager, require_zero_tail, stash_activations
 from .manager import StashManager
 from .trace import StashTrace
 
-__all__ = ["StashConfig", "StashManager", "StashTrace", "current_manager", "mark_not_stashable",
-           "require_zero_tail", "stash_activations"]
+__all__ = ["StashConfig", "StashManager", "StashTrace", "current_manager", "require_zero_tail",
+           "stash_activations"]

@@ -60,7 +60,7 @@ class Entry:
         if group is not None and group.alive > 0:
             group.alive -= 1
             if group.alive == 0:
-                group.manager._group_released(group)
+                group.scheduler.group_released(group)
 
     def stash_view(self) -> torch.Tensor:
         S, cap, width = self.layout
@@ -74,8 +74,8 @@ class Entry:
 class Group:
     """A layer group: the saved tensors of one outermost ``stash_activations`` context."""
 
-    def __init__(self, manager, gid: int, name: str | None, ring_generation: int, step: int):
-        self.manager = manager
+    def __init__(self, scheduler, gid: int, name: str | None, ring_generation: int, step: int):
+        self.scheduler = scheduler          # the GroupScheduler (scheduler.py) that opened it
         self.gid = gid
         self.name = name
         self.ring_generation = ring_generation

@@ -49,6 +49,13 @@ class Schedule:
             self.recorded = list(self.events)
 
 
+def kept_last(events: list[Event]) -> set[int]:
+    """The groups whose forward event is followed directly by their own backward: they keep
+    their tensors (NOTE [last group kept] in ``plan.py``)."""
+    return {gid for i, (kind, gid, name) in enumerate(events)
+            if kind == "F" and i + 1 < len(events) and events[i + 1] == ("B", gid, name)}
+
+
 def replay_demand(events: list[Event], demand: dict) -> dict:
     """Peak pages and record entries per buffer key of a step, from its events.
 
@@ -56,7 +63,7 @@ def replay_demand(events: list[Event], demand: dict) -> dict:
     the pages (and record-table entries) each key would have taken. Replaying the step's
     events gives the high-water mark a sized manager would reach: pages are taken at ``F`` and
     returned at ``B``, and a group whose ``F`` is followed directly by its own ``B`` is not
-    stashed at all (NOTE [last group kept] in ``manager.py``), exactly as in later steps.
+    stashed at all (NOTE [last group kept] in ``plan.py``), exactly as in later steps.
 
     Args:
         events: the step's events.
@@ -68,11 +75,12 @@ def replay_demand(events: list[Event], demand: dict) -> dict:
     current = defaultdict(lambda: [0, 0])
     peak = defaultdict(lambda: [0, 0])
     taken = set()
-    for i, (kind, gid, name) in enumerate(events):
+    last = kept_last(events)
+    for kind, gid, _ in events:
         if gid not in demand:
             continue
         if kind == "F":
-            if i + 1 < len(events) and events[i + 1] == ("B", gid, name):
+            if gid in last:
                 continue
             taken.add(gid)
             for key, (pages, entries) in demand[gid].items():

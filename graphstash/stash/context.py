@@ -6,7 +6,7 @@ import torch
 from .. import _kernels
 from .._checks import COUNT_DTYPES, describe
 from .._mode import is_dropless
-from .._saved import HookContext, Kept, innermost
+from .._saved import HookContext, innermost
 from ._group import Group, Scope
 from .manager import StashManager, current_default
 
@@ -34,7 +34,7 @@ def require_zero_tail(what: str) -> None:
 
     Inside ``stash_activations(..., zero_tail=False)`` this raises ValueError naming
     ``zero_tail``: a reload would leave those rows unwritten and that backward would read
-    garbage (NaN gradients, NOTE [padding rows] in ``manager.py``). Anywhere else it does
+    garbage (NaN gradients, NOTE [padding rows] in ``scheduler.py``). Anywhere else it does
     nothing. Ops whose backward may touch padding rows call it before saving their inputs.
 
     Example::
@@ -50,12 +50,6 @@ def require_zero_tail(what: str) -> None:
             "pass zero_tail=True (the default) around it")
 
 
-def _unpack(packed):
-    if isinstance(packed, Kept):
-        return packed.unpack()
-    return packed.group.manager._unpack(packed)
-
-
 class stash_activations:
     """Stash the budget-shaped tensors autograd saves inside this context (one layer group).
 
@@ -65,7 +59,7 @@ class stash_activations:
     when the context exits, and reloaded on its unpack stream before their backward.
     Parameters, leaf tensors that require grad, tensors smaller than
     ``StashConfig.min_tensor_bytes``, non-contiguous ones, ones on another device and ones
-    marked with :func:`mark_not_stashable` are left to autograd. In dropless mode
+    marked with :func:`graphstash.mark_not_movable` are left to autograd. In dropless mode
     (:func:`graphstash.dropless`) the context does nothing at all.
 
     Args:
@@ -75,7 +69,7 @@ class stash_activations:
         manager: the :class:`StashManager` (default: :func:`current_manager`).
         name: label of the group in the recorded schedule and in error messages.
         max_tokens: the budget (rows, or rows per segment); default: inferred (NOTE [budget]
-            in ``graphstash/stash/manager.py``).
+            in ``graphstash/stash/plan.py``).
         zero_tail: reloads write zeros into the rows past the counts (default), so no
             backward sees stale memory there (NOTE [padding rows]). ``False`` skips those
             writes (less memory traffic); pass it only when no backward reads the rows past
@@ -130,11 +124,13 @@ class stash_activations:
             group = outer.payload           # same manager: the outer group, inner counts
         else:
             name = "unnamed" if self._name is None else repr(self._name)
+            scheduler = manager.scheduler
             hooks = HookContext(manager, f"stash_activations {name} (StashManager at "
-                                f"{id(manager):#x})", lambda t: manager._pack(group, t), _unpack)
+                                f"{id(manager):#x})", lambda t: scheduler.pack(group, t),
+                                scheduler.unpack)
             hooks.__enter__()               # refuses any other open context
             try:
-                group = manager._open_group(self._name)
+                group = scheduler.open_group(self._name)
             except BaseException:
                 hooks.__exit__(None, None, None)
                 raise
@@ -151,7 +147,7 @@ class stash_activations:
         self._group.scopes.pop()
         if self._hooks is not None:
             self._hooks.__exit__(exc_type, exc, tb)
-            self._manager._close_group(self._group, ok=exc_type is None)
+            self._manager.scheduler.close_group(self._group, ok=exc_type is None)
         return False
 
     def _check_args(self, manager: StashManager) -> None:

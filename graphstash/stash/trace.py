@@ -2,7 +2,7 @@
 
 NOTE [introspection]: ``with manager.trace() as trace:`` records, in order, every copy the
 manager issues: ``("stash", group)`` when a group's forward ends, ``("prefetch", group)``
-when its reload is issued ahead of its backward (NOTE [prefetch] in ``manager.py``) and
+when its reload is issued ahead of its backward (NOTE [prefetch] in ``scheduler.py``) and
 ``("reload", group)`` when its backward had to ask for it; ``group`` is the group's ordinal
 in the step's forward order. With ``timing=True`` (eager CUDA steps only: timing events
 cannot be captured) each copy is also bracketed by CUDA events on its side stream, and
