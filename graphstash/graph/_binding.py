@@ -77,6 +77,23 @@ def _install_hook() -> None:
         _HOOK = register_module_parameter_registration_hook(_on_parameter_registered)
 
 
+def _pointer(t: torch.Tensor) -> int:
+    """The address of ``t``'s data; for a wrapper subclass without storage of its own (an FSDP2
+    DTensor parameter), that of its local tensor."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        to_local = getattr(t, "to_local", None)
+        if to_local is None:
+            return id(t)
+        with torch.no_grad():
+            return to_local().data_ptr()
+
+
+def _plain(params) -> bool:
+    return all(type(p) is torch.nn.Parameter or type(p) is torch.Tensor for p in params)
+
+
 def _describe(t) -> str:
     if isinstance(t, torch.Tensor):
         return f"{t.dtype} {tuple(t.shape)} on {t.device}"
@@ -107,6 +124,7 @@ class CapturedState:
         opt = self.optimizer
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.param_ids = {id(p) for p in self.params}
+        self.plain = _plain(self.params)
         self.state = opt.state
         self.entries = [opt.state.get(p) for p in self.params]
         self.held = [dict(e) if e is not None else None for e in self.entries]
@@ -118,7 +136,7 @@ class CapturedState:
         is hashed) and the tensors in the dicts recorded at capture."""
         state = self.optimizer.state
         return (list(map(id, params)),
-                list(map(torch.Tensor.data_ptr, params)),
+                list(map(torch.Tensor.data_ptr if self.plain else _pointer, params)),
                 list(map(id, state.values())),
                 list(map(id, itertools.chain.from_iterable(
                     e.values() for e in self.entries if e is not None))))
@@ -137,7 +155,10 @@ class CapturedState:
             return False
         params = list(itertools.chain.from_iterable(g["params"]
                                                     for g in self.optimizer.param_groups))
-        return self._fingerprint(params) == self.fingerprint
+        try:
+            return self._fingerprint(params) == self.fingerprint
+        except RuntimeError:              # a parameter of another kind took a place
+            return False
 
     def reconcile(self) -> tuple[str | None, int]:
         """Bring replaced optimizer state back into the tensors the graphs hold.
@@ -153,7 +174,7 @@ class CapturedState:
         if len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params)):
             return "the optimizer's param groups hold other parameters than at the capture", 0
         for i, (p, ptr) in enumerate(zip(self.params, self.fingerprint[1])):
-            if p.data_ptr() != ptr:
+            if _pointer(p) != ptr:
                 return (f"the storage of {self._name(i)} changed since the capture (p.data = ..., "
                         f"or the model moved or cast), so the graph would update the old one"), 0
         copies = []
