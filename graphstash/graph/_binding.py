@@ -128,6 +128,7 @@ class CapturedState:
         self.state = opt.state
         self.entries = [opt.state.get(p) for p in self.params]
         self.held = [dict(e) if e is not None else None for e in self.entries]
+        self._dicts = [e for e in self.entries if e is not None]
         self.fingerprint = self._fingerprint(self.params)
 
     def _fingerprint(self, params: list) -> tuple:
@@ -138,8 +139,7 @@ class CapturedState:
         return (list(map(id, params)),
                 list(map(torch.Tensor.data_ptr if self.plain else _pointer, params)),
                 list(map(id, state.values())),
-                list(map(id, itertools.chain.from_iterable(
-                    e.values() for e in self.entries if e is not None))))
+                list(map(id, itertools.chain.from_iterable(map(dict.values, self._dicts)))))
 
     def _name(self, index: int) -> str:
         for g, group in enumerate(self.optimizer.param_groups):
