@@ -75,7 +75,7 @@ def _run_batches(kind, seed, changes):
     assert train_step.stats.steps == len(changes)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(KINDS), seed=st.integers(0, 2 ** 16),
        changes=st.lists(st.tuples(st.integers(0, ROWS * WIDTH - 1),
                                   st.floats(-4, 4, allow_nan=False, width=32)),

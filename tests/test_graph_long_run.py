@@ -7,6 +7,9 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+import pytest
+import torch
+
 PROBE = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "probes" / "long_run.py"
 
 
@@ -17,7 +20,17 @@ def _probe():
     return module
 
 
-def test_reduced_long_run_on_cpu(capsys):
+@pytest.fixture
+def one_thread():
+    """Tiny grouped GEMMs on a shared 2-core machine: one intra-op thread keeps them from
+    waiting on each other (the results do not depend on it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_reduced_long_run_on_cpu(capsys, one_thread):
     probe = _probe()
     args = probe.parse_args(["--device", "cpu", "--mode", "stash", "--steps", "30",
                              "--tokens", "32", "--hidden", "16", "--ffn", "32", "--experts", "4",
@@ -33,8 +46,6 @@ def test_reduced_long_run_on_cpu(capsys):
 
 
 def test_probe_refuses_bad_flags_before_running(capsys):
-    import pytest
-
     probe = _probe()
     for argv, flag in ((["--steps", "0"], "--steps"), (["--overflow-rate", "2"], "--overflow-rate")):
         with pytest.raises(SystemExit):
