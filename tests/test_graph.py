@@ -473,7 +473,7 @@ def test_signature_and_mismatch_names_the_argument(gen):
 def test_static_inputs_stage_every_microbatch(gen):
     micro = [(torch.randn(2, 3, generator=gen), torch.arange(2) + 10 * i) for i in range(4)]
     leaves, spec = S.flatten_call((micro,), {"n": 4})
-    static = S.StaticInputs(leaves, spec)
+    static = S.StaticInputs(leaves, spec, ((micro,), {"n": 4}))
     (static_micro,), kw = static.args_kwargs()
     assert kw == {"n": 4} and len(static_micro) == 4
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(static_micro, micro))

@@ -394,3 +394,162 @@ def test_cpu_capturable_optimizer_gets_no_contract_warning(gen):
         for _ in range(3):
             train_step(torch.randn(WIDTH, generator=gen))
     assert not [c for c in caught if "would be refused" in str(c.message)]
+
+
+# ---- issue 27.4: steps that never ran ---------------------------------------------------------
+def _gen_step(x):
+    yield (x * 2).sum()
+
+
+async def _async_step(x):
+    return (x * 2).sum()
+
+
+async def _async_gen_step(x):
+    yield (x * 2).sum()
+
+
+class _GeneratorCall:
+    def __call__(self, x):
+        yield x
+
+
+@pytest.mark.parametrize("fn, what", [
+    (_gen_step, "a generator function"), (_async_step, "an async function"),
+    (_async_gen_step, "an async generator function"), (_GeneratorCall(), "a generator function"),
+    (__import__("functools").partial(_gen_step), "a generator function")])
+def test_generator_and_async_steps_are_refused_when_decorated(fn, what):
+    with pytest.raises(TypeError, match=f"fn: .* is {what}: calling it returns before its body "
+                                        "runs"):
+        graph_step(fn, device="cpu")
+    with pytest.raises(TypeError, match=f"is {what}"):
+        GraphStep(fn, device="cpu")
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+@pytest.mark.parametrize("make", [lambda x: _gen_step(x), lambda x: _async_step(x)],
+                         ids=["generator", "coroutine"])
+def test_step_returning_a_generator_is_refused_with_nothing_counted(gen, warmup, make):
+    """A plain callable that hides a generator or coroutine is refused at its first call, before
+    any update: nothing applied, nothing counted, no "never awaited" warning."""
+    w = torch.nn.Parameter(torch.randn(WIDTH, generator=gen))
+    opt = torch.optim.SGD([w], lr=0.1)
+    train_step = GraphStep(lambda x: make(w * x), optimizer=opt, device="cpu", warmup=warmup)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(TypeError, match=r"fn: .* returned a (generator|coroutine) instead of "
+                                            r"running: its body .* never ran"):
+            train_step(torch.randn(WIDTH, generator=gen))
+    assert not [c for c in caught if "never awaited" in str(c.message)]
+    st_ = train_step.stats
+    assert (st_.steps, st_.eager_steps) == (0, 0) and not opt.state and w.grad is None
+
+
+def test_memory_profile_refuses_steps_that_never_run(gen):
+    from graphstash import memory
+
+    x = torch.randn(64, 64, generator=gen)
+    with pytest.raises(TypeError, match="step_fn: expected a function that runs the step when "
+                                        "called, got a generator function"):
+        memory.profile(_gen_step, x)
+    with pytest.raises(TypeError, match="got an async function"):
+        memory.profile(_async_step, x)
+    with pytest.raises(TypeError, match="step_fn: returned a generator instead of running"):
+        memory.profile(lambda x: _gen_step(x), x)
+
+
+# ---- issue 27.5: a failing first call does not fix the signature -----------------------------
+def test_a_failing_first_call_does_not_fix_the_signature(gen):
+    """The issue's sequence: warmup on (4, 8), a call on (6, 8) that raises, then (4, 8): it
+    runs (nothing was captured for (6, 8)), and from then on (6, 8) is the new shape."""
+    w = torch.nn.Parameter(torch.randn(WIDTH, generator=gen))
+    opt = torch.optim.SGD([w], lr=0.1)
+
+    def step(x):
+        if x.shape[0] == 6 and not seen:
+            seen.append(x.shape)
+            raise RuntimeError("injected failure on the first (6, 8) call")
+        (w * x).sum().backward()
+
+    seen = []
+    train_step = GraphStep(step, optimizer=opt, device="cpu", warmup=1)
+    with _quiet():
+        train_step(torch.randn(4, WIDTH, generator=gen))            # warmup
+        with pytest.raises(RuntimeError, match="injected"):
+            train_step(torch.randn(6, WIDTH, generator=gen))        # would capture: fails
+        assert train_step.stats.steps == 1
+        train_step(torch.randn(4, WIDTH, generator=gen))            # captures (4, 8)
+        with pytest.raises(ValueError, match=r"args\[0\].*captured for.*\(4, 8\).*\(6, 8\)"):
+            train_step(torch.randn(6, WIDTH, generator=gen))
+    assert train_step.stats.steps == 2
+
+
+# ---- issue 27, unclear errors: graph_step twice, nested steps, generators= ------------------
+def test_graph_step_applied_twice_says_so(gen):
+    model, opt, _, _ = _pair(7)
+    inner = graph_step(lambda x, y, m: None, optimizer=opt, device="cpu")
+    with pytest.raises(TypeError, match=r"fn: .* is already a GraphStep; graph_step was applied "
+                                        r"twice"):
+        graph_step(inner, optimizer=opt)
+    with pytest.raises(TypeError, match="already a GraphStep"):
+        graph_step(optimizer=opt, device="cpu")(inner)
+
+
+def test_a_step_called_inside_another_step_is_refused(gen):
+    model, opt, ref, _ = _pair(8)
+    x, y, m = _batch(gen)
+
+    @graph_step(optimizer=opt, device="cpu")
+    def inner(x, y, marker):
+        torch.nn.functional.mse_loss(model(x, marker), y).backward()
+
+    outer = GraphStep(lambda *a: inner(*a), optimizer=torch.optim.SGD(ref.parameters(), lr=0.1),
+                      device="cpu")
+    with _quiet(), pytest.raises(ValueError, match=r"fn: .* called .*inner, another graph_step "
+                                                   r"step, from inside its step function; steps "
+                                                   r"cannot nest"):
+        outer(x, y, m)
+    assert inner.stats.steps == 0 and outer.stats.steps == 0 and not opt.state
+
+
+@pytest.mark.parametrize("value, match", [
+    (5, r"generators: expected a list or tuple of torch\.Generator .*got int"),
+    ("cuda", r"generators: expected a list or tuple .*got str"),
+    ([torch.Generator(), 5], r"generators\[1\]: expected a torch\.Generator, got int"),
+    ({"g": 1}, r"generators: expected .*got dict")])
+def test_generators_argument_is_checked(value, match):
+    with pytest.raises(TypeError, match=match):
+        graph_step(generators=value)
+    with pytest.raises(TypeError, match=match):
+        GraphStep(lambda: None, generators=value)
+
+
+def test_one_generator_is_accepted_as_a_tuple():
+    g = torch.Generator()
+    assert GraphStep(lambda: None, generators=g).options.generators == (g,)
+    assert GraphStep(lambda: None, generators=[g]).options.generators == (g,)
+
+
+# ---- issue 25: the options written once -------------------------------------------------------
+def test_options_are_one_dataclass_with_the_public_keywords():
+    import dataclasses
+    import inspect
+
+    from graphstash.graph import StepOptions
+
+    fields = {f.name: f.default for f in dataclasses.fields(StepOptions)}
+    assert len(fields) == 15
+    for fn in (graph_step, GraphStep):
+        params = inspect.signature(fn).parameters
+        assert list(params) == ["fn", *fields]
+        assert all(params[k].default == v for k, v in fields.items())
+        assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in fields)
+    opts = GraphStep(lambda: None, warmup=3).options
+    assert isinstance(opts, StepOptions) and opts.warmup == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.warmup = 4
+    with pytest.raises(TypeError, match=r"graph_step: unexpected keyword argument\(s\) "
+                                        r"\['warmpu'\]"):
+        graph_step(warmpu=3)
+    with pytest.raises(ValueError, match="max_graphs: expected an int >= 1"):
+        StepOptions(max_graphs=0)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
+import inspect
+import threading
 import time
 import traceback
 import warnings
@@ -28,7 +29,11 @@ from .._mode import dropless
 from ..errors import CaptureError, ReleasedError, UpdateAppliedError
 from ..status import StepStatus
 from . import _staging as S
-from ._update import DeviceUpdate, check_optimizer, has_state, hyperparameters
+from ._binding import CapturedState, step_running
+from ._data_parallel import DDP_WARMUP, check_ddp, find_ddp, quiet_sampling
+from ._options import StepOptions, keyword_signature
+from ._schedule import ScheduledHyperparameters
+from ._update import DeviceUpdate, check_optimizer, has_state
 from .protocol import StepParticipant
 
 _LIVE_GRAPHS: "weakref.WeakSet" = weakref.WeakSet()
@@ -53,6 +58,10 @@ class GraphStepStats:
     ``peak_memory_bytes`` is ``torch.cuda.max_memory_allocated`` of the device,
     ``stash_pages_peak`` the stash manager's device-page high-water mark (0 without one),
     ``memory_before_capture`` ``torch.cuda.memory_allocated`` just before the first capture.
+    ``invalidations`` counts the calls that dropped the graphs because something baked into
+    them changed: a hyperparameter that is not a device tensor (NOTE [scheduled
+    hyperparameters]) or replaced parameters and optimizer state that could not be copied in
+    (NOTE [checkpoint and resume]). Without CUDA it counts the same calls (each would recapture).
     """
 
     mode: str = "graph"
@@ -71,6 +80,7 @@ class GraphStepStats:
     peak_memory_bytes: int = 0
     stash_pages_peak: int = 0
     memory_before_capture: int | None = None
+    invalidations: int = 0
 
     def as_dict(self) -> dict:
         """The counters as a plain ``dict`` (for logging or JSON)."""
@@ -81,21 +91,40 @@ class _StepCalledError(ValueError):
     """``optimizer.step()`` called by the step function (NOTE [step ownership])."""
 
 
-def _check_device_arg(device) -> torch.device | None:
-    """``device=`` of :class:`GraphStep` parsed, or ValueError/TypeError naming it."""
-    if device is None:
-        return None
-    expected = "'cpu', 'cuda', 'cuda:N', a torch.device or None"
-    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-        raise TypeError(f"device: expected {expected}, got {type(device).__name__}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError, TypeError):
-        raise ValueError(f"device: expected {expected}, got {device!r}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device: expected {expected} (graph_step runs on CUDA, or eagerly on "
-                         f"the CPU), got {device!r}")
-    return dev
+class _NeverRanError(TypeError):
+    """The step function returned a generator, coroutine or awaitable (NOTE [steps that never
+    ran])."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphInfo:
+    """One graph a :class:`GraphStep` holds (read-only; see :meth:`GraphStep.captured_graphs`).
+
+    ``inputs`` describes the call it was captured for (each argument's path and tensor spec or
+    value), ``nbytes`` the memory it holds (pool growth during capture plus static inputs).
+    ``graph`` is the ``torch.cuda.CUDAGraph`` itself: replaying it directly skips staging the
+    inputs, writing scheduled hyperparameters and reading the status (timing tools only).
+    """
+
+    inputs: str
+    nbytes: int
+    graph: object
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayInfo:
+    """The last replay of a :class:`GraphStep` (see :attr:`GraphStep.last_replay`).
+
+    ``flags`` is what the status said (``{"overflow", "host_spill", "over_budget"}``, bools),
+    ``status_wait_us`` the host time between launching the graph and holding its flags (it
+    includes waiting for the GPU to finish the step), ``done_event`` the ``torch.cuda.Event``
+    recorded on the current stream right after the replay (``done_event.elapsed_time(...)``
+    needs an event created with ``enable_timing=True`` on the caller's side).
+    """
+
+    flags: dict
+    status_wait_us: float
+    done_event: object
 
 
 @dataclasses.dataclass
@@ -105,10 +134,10 @@ class _Graph:
     signature: tuple
     graph: object
     inputs: S.StaticInputs
-    outputs: object                 # the pytree the captured call returned (static tensors)
+    outputs: object                 # what the captured call returned (static tensors)
     grads: list                     # gradient tensors the graph writes (its pool)
-    hyper: tuple                    # optimizer hyperparameters baked in
     nbytes: int                     # pool growth during capture + static inputs
+    described: str                  # the captured call's arguments, for GraphInfo
 
 
 # NOTE [gradients]
@@ -138,6 +167,16 @@ class _Graph:
 # the grown budget); if it raises, the graphs are still dropped and the error is an
 # UpdateAppliedError saying that the update was applied and the batch must not be retried.
 
+# NOTE [steps that never ran]
+# A generator function, an async function, or any step that returns a generator, coroutine or
+# other awaitable, returns before its body runs: nothing is computed, and counting or capturing
+# such a call would train on nothing while stats say it trained. A function known to be one is
+# refused when it is decorated; otherwise the first call whose step returns one is refused
+# (TypeError) before any update, so nothing is applied or counted. The same goes for decorating
+# a GraphStep again and for calling one GraphStep from inside another's step function: a capture
+# cannot contain another capture, and the outer step would see the inner update as its step
+# function calling optimizer.step().
+
 # NOTE [status readback]
 # Inside the graph, after backward, the flags (overflow, host spill, over budget) are reduced
 # to indicators and, under torch.distributed, summed over ranks in one all_reduce, so every
@@ -147,7 +186,41 @@ class _Graph:
 # whether this one is rerun (a rerun applies the update that the next step builds on).
 
 
-def _capture_failure_message(exc: BaseException, name: str) -> str:
+def _refuse_never_running(fn) -> None:
+    """TypeError for a step function whose calls return before running (NOTE [steps that never
+    ran]) or that is already a GraphStep."""
+    if isinstance(fn, GraphStep):
+        raise TypeError(f"fn: {fn._name} is already a GraphStep; graph_step was applied twice "
+                        "(graph_step(graph_step(f, ...), ...)). Decorate the function once")
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) or \
+        isinstance(fn, functools.partial) else getattr(type(fn), "__call__", fn)
+    for check, what in ((inspect.isgeneratorfunction, "a generator function"),
+                        (inspect.iscoroutinefunction, "an async function"),
+                        (inspect.isasyncgenfunction, "an async generator function")):
+        if check(fn) or check(target):
+            name = getattr(fn, "__qualname__", type(fn).__name__)
+            raise TypeError(f"fn: {name} is {what}: calling it returns before its body runs, so "
+                            "graph_step would count (and capture) steps that never ran. Make it "
+                            "a plain function that runs forward and backward")
+
+
+def _refuse_unrun_result(out, name: str) -> None:
+    """_NeverRanError when a step returned a generator, coroutine or awaitable."""
+    if inspect.isgenerator(out) or inspect.iscoroutine(out) or inspect.isasyncgen(out) or \
+            inspect.isawaitable(out):
+        close = getattr(out, "close", None) or getattr(out, "aclose", None)
+        if inspect.isgenerator(out) or inspect.iscoroutine(out):
+            close()                 # no "never awaited" warning; the body never ran anyway
+        raise _NeverRanError(
+            f"fn: {name} returned a {type(out).__name__} instead of running: its body (forward, "
+            f"backward) never ran, so nothing was applied or counted. graph_step needs a plain "
+            f"function that runs the step when called (NOTE [steps that never ran])")
+
+
+_RUNNING = threading.local()        # GraphSteps whose step function runs on this thread
+
+
+def _capture_failure_message(exc: BaseException, name: str, ddp: bool = False) -> str:
     """Explain a failed capture: the error, the line of user code that raised, what to change."""
     text = f"{type(exc).__name__}: {exc}".strip()
     first_line = text.splitlines()[0] if text else type(exc).__name__
@@ -170,95 +243,79 @@ def _capture_failure_message(exc: BaseException, name: str) -> str:
                 "them out of the decorated function")
     else:
         hint = "the step raised while it was being captured; it must run unchanged on every call"
+    if ddp and "synchronised" in hint:
+        hint = ("the optimizer's parameters belong to a DistributedDataParallel module: DDP must "
+                "be constructed on a side stream (with torch.cuda.stream(torch.cuda.Stream()): "
+                "model = DDP(model, ...)), or its gradient hooks sync with the default stream, "
+                "which a capture cannot contain (NOTE [DDP]); otherwise " + hint)
     return f"capturing {name} failed{where}: {first_line}. {hint}"
 
 
 class GraphStep:
-    """A training step captured whole into a CUDA graph and replayed; see :func:`graph_step`."""
+    """A training step captured whole into a CUDA graph and replayed; see :func:`graph_step`.
 
-    def __init__(self, fn, *, optimizer=None, scaler=None, warmup: int = 2, stash=None,
-                 outputs: str = "clone", on_new_shape: str = "error", max_graphs: int = 4,
-                 graph_memory_budget: int | None = None, budget_growth: float = 1.5,
-                 on_overflow=None, generators=(), process_group=None, distributed="auto",
-                 update_skip: str = "auto", device=None):
+    ``GraphStep(fn, **options)`` takes the options of :func:`graph_step` (:class:`StepOptions`).
+    """
+
+    def __init__(self, fn, **options):
+        opts = StepOptions.from_keywords("GraphStep", options)
         if not callable(fn):
             raise TypeError(f"fn: expected a callable training step, got {type(fn).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got "
-                            f"{type(optimizer).__name__}")
-        if scaler is not None and optimizer is None:
-            raise ValueError("scaler: a GradScaler needs the optimizer it scales; pass optimizer=")
-        if scaler is not None and not hasattr(scaler, "unscale_"):
-            raise TypeError(f"scaler: expected a torch.amp.GradScaler, got {type(scaler).__name__}")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup: expected an int >= 0, got {warmup!r}")
-        if outputs not in ("clone", "static"):
-            raise ValueError(f"outputs: expected 'clone' (detached copies) or 'static' (the "
-                             f"graph's own tensors, overwritten by the next call), got {outputs!r}")
-        if on_new_shape not in ("error", "recapture"):
-            raise ValueError(f"on_new_shape: expected 'error' or 'recapture', got {on_new_shape!r}")
-        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
-            raise ValueError(f"max_graphs: expected an int >= 1, got {max_graphs!r}")
-        if graph_memory_budget is not None and (not isinstance(graph_memory_budget, int)
-                                                or graph_memory_budget <= 0):
-            raise ValueError(f"graph_memory_budget: expected a positive int (bytes) or None, "
-                             f"got {graph_memory_budget!r}")
-        if isinstance(budget_growth, bool) or not isinstance(budget_growth, (int, float)):
-            raise TypeError(f"budget_growth: expected a finite number > 1, got "
-                            f"{type(budget_growth).__name__}")
-        if not math.isfinite(budget_growth) or budget_growth <= 1.0:
-            raise ValueError(f"budget_growth: expected a finite number > 1, got {budget_growth!r}")
-        if on_overflow is not None and not callable(on_overflow):
-            raise TypeError(f"on_overflow: expected a callable or None, got {type(on_overflow).__name__}")
-        if distributed not in ("auto", True, False):
-            raise ValueError(f"distributed: expected 'auto', True or False, got {distributed!r}")
-        if update_skip not in ("auto", "found_inf", "mask"):
-            raise ValueError(f"update_skip: expected 'auto', 'found_inf' or 'mask', got {update_skip!r}")
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError("optimizer: LBFGS re-evaluates the loss through a closure several "
-                             "times per step; graph_step calls optimizer.step() once, without a "
-                             "closure. Use a first-order optimizer (AdamW, Adam or SGD)")
-        device = _check_device_arg(device)
+        _refuse_never_running(fn)                  # NOTE [steps that never ran]
         functools.update_wrapper(self, fn)
+        self.options = opts
         self._fn = fn
         self._name = getattr(fn, "__qualname__", getattr(fn, "__name__", "step"))
-        self.optimizer = optimizer
-        self.scaler = scaler
-        self.warmup = warmup
-        self._stash_arg = stash
-        self._outputs_mode = outputs
-        self._on_new_shape = on_new_shape
-        self._max_graphs = max_graphs
-        self._graph_memory_budget = graph_memory_budget
-        self._budget_growth = float(budget_growth)
-        self._on_overflow = on_overflow
-        self._generators = tuple(generators)
-        self._process_group = process_group
-        self._distributed_arg = distributed
-        self._update_skip = update_skip
-        self._device_arg = device
+        self.optimizer = opts.optimizer
+        self.scaler = opts.scaler
+        self.warmup = opts.warmup
+        self._stash_arg = opts.stash
+        self._outputs_mode = opts.outputs
+        self._on_new_shape = opts.on_new_shape
+        self._max_graphs = opts.max_graphs
+        self._graph_memory_budget = opts.graph_memory_budget
+        self._budget_growth = opts.budget_growth
+        self._on_overflow = opts.on_overflow
+        self._generators = opts.generators
+        self._process_group = opts.process_group
+        self._distributed_arg = opts.distributed
+        self._update_skip = opts.update_skip
+        self._device_arg = opts.device
 
         self._device: torch.device | None = None
         self._status: StepStatus | None = None
         self._manager = None
         self._update: DeviceUpdate | None = None
+        self._hyper: ScheduledHyperparameters | None = None
+        self._baked = None                        # hyperparameters the graphs baked in
+        self._held: CapturedState | None = None   # NOTE [checkpoint and resume]
+        self._stale: str | None = None
+        self._eager_pending = 0
         self._graphs: dict[tuple, _Graph] = {}   # insertion order = least recently used first
+        self._cpu_inputs: dict[tuple, S.StaticInputs] = {}   # NOTE [same contract on the CPU]
         self._first_signature = None
         self._eager_done = 0
+        self._warmup_steps = opts.warmup
+        self._ddp: tuple = ()
         self._released = False
         self._ready = False
         self._warned_eager = False
+        self._said: set = set()
         self._flags_host: torch.Tensor | None = None
         self._flags_view = None
         self._done_event = None
         self._capture_stream = None
         self._stats = GraphStepStats()
         self._status_wait_s = 0.0
+        self._last_replay: ReplayInfo | None = None
         self._fn_running = False
         self._warned_contract = False
-        if optimizer is not None:           # NOTE [step ownership]
-            hook = optimizer.register_step_pre_hook(functools.partial(_refuse_step, weakref.ref(self)))
-            weakref.finalize(self, hook.remove)
+        if self.optimizer is not None:           # NOTE [step ownership], [checkpoint and resume]
+            me = weakref.ref(self)
+            hooks = (self.optimizer.register_step_pre_hook(functools.partial(_refuse_step, me)),
+                     self.optimizer.register_load_state_dict_post_hook(
+                         functools.partial(_after_load, me)))
+            weakref.finalize(self, _remove_hooks, hooks)
 
     # ---- set-up -------------------------------------------------------------------------
     @property
@@ -340,9 +397,16 @@ class GraphStep:
         if self.optimizer is not None:
             self._update = DeviceUpdate(self.optimizer, scaler=self.scaler, mode=self._update_skip,
                                         device=dev)
+            self._hyper = ScheduledHyperparameters(self.optimizer, dev)
         self._stats.mode = "graph" if self.graphed else "eager"
         if dev.type == "cuda" and self.optimizer is not None:
             check_optimizer(self.optimizer)       # before any step runs, not at capture time
+        if dev.type == "cuda":
+            for i, gen in enumerate(self._generators):
+                if gen.device.type != "cuda":
+                    raise ValueError(f"generators[{i}]: expected a CUDA torch.Generator (the "
+                                     f"graph registers its state), got one on {gen.device}")
+        self._setup_data_parallel()
         if dev.type == "cuda":
             self._flags_host = torch.zeros(3, dtype=torch.int32, pin_memory=True)
             self._flags_view = self._flags_host.numpy()
@@ -360,6 +424,22 @@ class GraphStep:
                               RuntimeWarning, stacklevel=4)
         self._ready = True
 
+    def _setup_data_parallel(self) -> None:
+        """Find DDP modules holding the optimizer's parameters and meet their conditions
+        (NOTE [DDP]): refuse what cannot capture, warm up >= 11 eager steps."""
+        found = find_ddp(self.optimizer)
+        for ddp in found:
+            check_ddp(ddp)
+            if self.graphed:
+                quiet_sampling(ddp)
+        self._ddp = found
+        if found and self._warmup_steps < DDP_WARMUP:
+            self._warmup_steps = DDP_WARMUP
+            self._say_once("ddp", f"graphstash.graph_step({self._name}): the optimizer's "
+                           f"parameters belong to a DistributedDataParallel module, so "
+                           f"{DDP_WARMUP} eager steps run before the capture (warmup="
+                           f"{self.warmup} was given; NOTE [DDP])")
+
     def _distributed(self) -> bool:
         if self._distributed_arg is False:
             return False
@@ -369,6 +449,12 @@ class GraphStep:
         if self._distributed_arg is True and not on:
             raise ValueError("distributed: True, but torch.distributed is not initialised")
         return on
+
+    def _say_once(self, kind: str, message: str) -> None:
+        """One RuntimeWarning per kind per step function."""
+        if kind not in self._said:
+            self._said.add(kind)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     # ---- public -------------------------------------------------------------------------
     @property
@@ -383,6 +469,55 @@ class GraphStep:
         if self._manager is not None and not self._released:
             st.stash_pages_peak = self._manager.peak()
         return st
+
+    @property
+    def warmup_steps(self) -> int:
+        """Eager steps before the first capture: ``warmup``, or 11 when the optimizer's
+        parameters belong to a DistributedDataParallel module (NOTE [DDP]; known after the
+        first call)."""
+        return self._warmup_steps
+
+    @property
+    def data_parallel(self) -> tuple:
+        """The ``DistributedDataParallel`` modules found holding the optimizer's parameters
+        (after the first call; empty without ``torch.distributed``)."""
+        return self._ddp
+
+    @property
+    def scheduled_lr(self) -> dict:
+        """``{param group index: 0-dim float32 tensor}``: the groups whose lr reaches the graph
+        as a device tensor and the tensors holding it (NOTE [scheduled hyperparameters]). The
+        values are written before each replay (on the CPU, before each call that would replay)."""
+        return {} if self._hyper is None else self._hyper.tensors
+
+    def captured_graphs(self) -> list[GraphInfo]:
+        """The graphs held now, least recently used first (:class:`GraphInfo`).
+
+        Example::
+
+            for info in train_step.captured_graphs():
+                print(info.inputs, info.nbytes / 2**20, "MiB")
+        """
+        return [GraphInfo(inputs=g.described, nbytes=g.nbytes, graph=g.graph)
+                for g in self._graphs.values()]
+
+    @property
+    def last_replay(self) -> ReplayInfo | None:
+        """The last replay's flags, status wait and done event (:class:`ReplayInfo`); None
+        before the first replay."""
+        return self._last_replay
+
+    def read_flags(self) -> tuple[int, int, int]:
+        """Wait for the current stream and read the flags the last replay copied to the host:
+        ``(overflow, host_spill, over_budget)``. This is what every replay does after launching
+        its graph (NOTE [status readback]); tools time it (CUDA only, after a replay)."""
+        if self._done_event is None:
+            raise ValueError(f"{self._name}: read_flags() reads what a replay copied to the "
+                             f"host; this step has not run on a CUDA device")
+        self._done_event.record()
+        self._done_event.synchronize()
+        view = self._flags_view
+        return int(view[0]), int(view[1]), int(view[2])
 
     def release(self) -> None:
         """Drop the graphs, their memory pools, static buffers, gradients and stash buffers.
@@ -399,8 +534,7 @@ class GraphStep:
         forbid_capture("GraphStep.release()")
         if self._device is not None and self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
-        self._drop_graphs()
-        self._first_signature = None
+        self._forget_captures()
         if self._update is not None:
             self._update.release()
         if self._manager is not None:
@@ -415,40 +549,139 @@ class GraphStep:
         if not self._released:
             if self._device is not None and self._device.type == "cuda":
                 torch.cuda.synchronize(self._device)
-            self._drop_graphs()
-            self._first_signature = None
+            self._forget_captures()
         if self._manager is not None and self._released:
             self._manager.reallocate()
         self._released = False
+
+    def _forget_captures(self) -> None:
+        """Drop every graph and what the captures recorded (signature, baked values, state)."""
+        self._drop_graphs()
+        self._first_signature = None
+        self._forget_bindings()
+
+    def _forget_bindings(self) -> None:
+        self._cpu_inputs.clear()
+        self._baked = None
+        if self._held is not None:
+            self._held.close()
+            self._held = None
+
+    def _invalidate(self) -> None:
+        """Drop the graphs because something they baked in changed; the next call recaptures."""
+        self._drop_graphs()
+        self._forget_bindings()
+        self._stats.invalidations += 1
 
     def __call__(self, *args, **kwargs):
         if self._released:
             raise ReleasedError(f"{self._name}: the step was released; call .reset() first")
         forbid_capture(f"{self._name}()")
+        self._refuse_nesting()
         self._setup()
-        if not self.graphed or self._eager_done < self.warmup:
-            if not self.graphed and self._eager_done >= self.warmup:
-                self._check_cpu_contract(args, kwargs)
-            steps = self._stats.steps
-            try:
-                return self._eager_step(args, kwargs, side_stream=self.graphed)
-            finally:
-                if self._stats.steps > steps:    # the update was applied (NOTE [transactional rerun])
-                    self._eager_done += 1
-                    self._stats.eager_steps += 1
+        self._check_held_state()
+        self._check_hyperparameters()
+        if self._eager_done < self._warmup_steps or self._eager_pending:
+            return self._eager_call(args, kwargs)
+        if not self.graphed:
+            return self._cpu_call(args, kwargs)
         leaves, spec = S.flatten_call(args, kwargs)
         sig = S.signature(leaves, spec)
         entry = self._graphs.get(sig)
-        if entry is not None and self.optimizer is not None and \
-                entry.hyper != hyperparameters(self.optimizer):
-            self._drop_graphs()          # a scheduler changed a float lr: every graph baked it
-            entry = None
         if entry is None:
             self._refuse_new_signature(sig, args, kwargs)
-            entry = self._capture(sig, leaves, spec)
+            entry = self._capture(sig, leaves, spec, args, kwargs)
         else:
             self._graphs[sig] = self._graphs.pop(sig)     # most recently used last
         return self._replay(entry, leaves, args, kwargs)
+
+    def _refuse_nesting(self) -> None:
+        running = getattr(_RUNNING, "steps", None)
+        if running:
+            raise ValueError(
+                f"fn: {running[-1]._name} called {self._name}, another graph_step step, from "
+                "inside its step function; steps cannot nest (a capture cannot contain another "
+                "capture, and the inner update would be the outer step's). Call the inner "
+                "function undecorated (NOTE [steps that never ran])")
+
+    def _eager_call(self, args, kwargs):
+        """A warmup step (or the eager step after replaced state): eager, counted when applied."""
+        steps = self._stats.steps
+        try:
+            return self._eager_step(args, kwargs, side_stream=self.graphed)
+        finally:
+            if self._stats.steps > steps:    # the update was applied (NOTE [transactional rerun])
+                self._eager_done += 1
+                self._stats.eager_steps += 1
+                self._eager_pending = max(0, self._eager_pending - 1)
+
+    # ---- between calls: replaced state, changed hyperparameters -------------------------
+    def _check_held_state(self) -> None:
+        """NOTE [checkpoint and resume]: refuse a replaced model Parameter; copy replaced
+        optimizer state into the tensors the graphs hold, or drop the graphs."""
+        held = self._held
+        if held is None:
+            return
+        replaced = held.replaced_parameter()
+        if replaced is not None:
+            raise ValueError(f"{self._name}: {replaced}")
+        reason, self._stale = self._stale, None
+        if reason is None:
+            reason, copied = held.reconcile()
+            if copied:
+                self._say_once("state-copied", f"graphstash.graph_step({self._name}): the "
+                               f"optimizer state of {copied} parameter(s) was replaced after the "
+                               "capture; the new values were copied into the tensors the graph "
+                               "updates, which optimizer.state holds again (NOTE [checkpoint and "
+                               "resume])")
+        if reason is None:
+            return
+        self._say_once("state", f"graphstash.graph_step({self._name}): {reason}; the graphs are "
+                       "dropped, one eager step runs and the next call recaptures (NOTE "
+                       "[checkpoint and resume])")
+        self._invalidate()
+        self._eager_pending = 1
+
+    def _check_hyperparameters(self) -> None:
+        """NOTE [scheduled hyperparameters]: adopt changed lrs as device tensors; a changed
+        baked value drops the graphs (said once)."""
+        hyper = self._hyper
+        if hyper is None:
+            return
+        adopted = hyper.observe()
+        if self._baked is None:
+            return
+        baked = hyper.baked()
+        if baked == self._baked:
+            return
+        changes = hyper.changes(self._baked, baked)
+        if changes:
+            group, key, old, new = changes[0]
+            self._say_once(f"baked-{key}", f"graphstash.graph_step({self._name}): param group "
+                           f"{group}'s {key} changed from {old!r} to {new!r}; "
+                           + self._why_baked(key))
+        elif adopted:
+            group, old, new = adopted[0]
+            self._say_once("lr-adopted", f"graphstash.graph_step({self._name}): param group "
+                           f"{group}'s lr changed from {old!r} to {new!r}; from now on the lr "
+                           "reaches the graph as a float32 device tensor written before each "
+                           "replay, so later changes cost no capture (this call recaptures once; "
+                           "NOTE [scheduled hyperparameters])")
+        self._invalidate()
+
+    def _why_baked(self, key: str) -> str:
+        name = type(self.optimizer).__name__
+        if key == "lr":
+            return (f"{name} reads lr as a number baked into the graph unless it is built with "
+                    "fused=True, so every change recaptures; construct it with fused=True to "
+                    "keep one graph (NOTE [scheduled hyperparameters])")
+        if key in ("betas", "momentum"):
+            return ("it is a number baked into the graph (torch's kernels take only lr as a "
+                    "tensor), so every change recaptures; a scheduler that cycles it (OneCycleLR, "
+                    "CyclicLR) keeps one graph with cycle_momentum=False (NOTE [scheduled "
+                    "hyperparameters])")
+        return ("it is a number baked into the graph, so every change recaptures (NOTE "
+                "[scheduled hyperparameters])")
 
     def _refuse_new_signature(self, sig, args, kwargs) -> None:
         """ValueError naming the argument when ``sig`` differs from the first captured one
@@ -463,16 +696,44 @@ class GraphStep:
     # NOTE [same contract on the CPU]
     # Without CUDA every call runs eagerly, but a step that a GPU run would refuse must not pass
     # silently here: CPU tests and CPU users would never learn of it. From the call that would
-    # capture on, a change of argument shapes (or of a non-tensor argument) raises the same
-    # ValueError as on the GPU (``on_new_shape='recapture'`` allows it, as there). An optimizer
-    # that cannot be captured only warns, once: torch's CPU optimizers cannot be made
-    # capturable, so refusing would break legitimate CPU training.
-    def _check_cpu_contract(self, args, kwargs) -> None:
+    # capture on, each call goes the way a replay goes: its arguments are flattened (what a graph
+    # cannot take is refused), its tensors are staged into the static buffers of its signature,
+    # and the step runs on the arguments rebuilt around those buffers, so a value the staging
+    # missed would be seen stale here as on the GPU. A change of shapes (or of a non-tensor
+    # argument) raises the same ValueError (``on_new_shape='recapture'`` keeps inputs per shape,
+    # as there); only a call that completed fixes the signature, as only a capture that
+    # succeeded does. Changed hyperparameters and replaced state are handled as for graphs, and
+    # counted in stats.invalidations. An optimizer that cannot be captured only warns, once:
+    # torch's CPU optimizers cannot be made capturable, so refusing would break legitimate CPU
+    # training.
+    def _cpu_call(self, args, kwargs):
         leaves, spec = S.flatten_call(args, kwargs)
         sig = S.signature(leaves, spec)
-        self._refuse_new_signature(sig, args, kwargs)
-        if self._first_signature is None:
-            self._first_signature = sig
+        inputs = self._cpu_inputs.get(sig)
+        new = inputs is None
+        if new:
+            self._refuse_new_signature(sig, args, kwargs)
+            self._warn_contract_once()
+            inputs = S.StaticInputs(leaves, spec, (args, kwargs))
+        else:
+            self._cpu_inputs[sig] = self._cpu_inputs.pop(sig)
+        inputs.stage(leaves)
+        if self._hyper is not None:
+            self._hyper.write()          # as before a replay: the bookkeeping, floats stay in use
+        static_args, static_kwargs = inputs.args_kwargs()
+        steps = self._stats.steps
+        try:
+            out = self._eager_step(static_args, static_kwargs)
+        finally:
+            if self._stats.steps > steps:       # completed (NOTE [transactional rerun])
+                self._stats.eager_steps += 1
+                if new:
+                    self._cpu_inputs[sig] = inputs
+                    self._evict(self._cpu_inputs, sig)
+                    self._captured(sig)
+        return S.clone_tree(out) if self._outputs_mode == "clone" else out
+
+    def _warn_contract_once(self) -> None:
         if self._warned_contract:
             return
         self._warned_contract = True
@@ -481,22 +742,55 @@ class GraphStep:
         except ValueError as exc:
             warnings.warn(f"graphstash.graph_step({self._name}): on a CUDA device this step would "
                           f"be refused: {exc} (code that builds the optimizer capturable only on "
-                          "CUDA may filter this warning)", RuntimeWarning, stacklevel=4)
+                          "CUDA may filter this warning)", RuntimeWarning, stacklevel=5)
+
+    def _captured(self, sig) -> None:
+        """Record what a completed capture fixes: the first signature, the hyperparameters it
+        baked, the optimizer state it holds."""
+        if self._first_signature is None:
+            self._first_signature = sig
+        if self._hyper is not None and self._baked is None:
+            self._baked = self._hyper.baked()
+        if self.optimizer is not None and self._held is None and has_state(self.optimizer):
+            self._held = CapturedState(self.optimizer)
 
     # ---- eager --------------------------------------------------------------------------
     @contextlib.contextmanager
     def _step_fn_running(self):
-        """While the step function runs, ``optimizer.step()`` is refused (NOTE [step ownership])."""
+        """While the step function runs, ``optimizer.step()`` is refused (NOTE [step ownership])
+        and so is another GraphStep (NOTE [steps that never ran])."""
         self._fn_running = True
+        stack = getattr(_RUNNING, "steps", None)
+        if stack is None:
+            stack = _RUNNING.steps = []
+        stack.append(self)
         try:
-            yield
+            with step_running():
+                yield
         finally:
+            stack.pop()
             self._fn_running = False
+
+    def _call_fn(self, args, kwargs, *, is_dropless: bool):
+        """The step function, refused if it did not run (NOTE [steps that never ran])."""
+        with self._step_fn_running():
+            out = self._run_fn(args, kwargs, is_dropless=is_dropless)
+        _refuse_unrun_result(out, self._name)
+        return out
+
+    def _lr_tensors(self):
+        """On CUDA, the scheduled lr tensors in the param groups while the update runs (NOTE
+        [scheduled hyperparameters]); on the CPU the floats stay."""
+        if self._hyper is None or not self.graphed:
+            return contextlib.nullcontext()
+        self._hyper.write()
+        return self._hyper.in_groups()
 
     def _apply_update(self) -> None:
         """The eager update of a step, counted as it is applied (NOTE [transactional rerun])."""
         if self._update is not None:
-            self._update.eager_step()
+            with self._lr_tensors():
+                self._update.eager_step()
         self._stats.steps += 1
 
     def _clear_flags(self) -> None:
@@ -545,8 +839,7 @@ class GraphStep:
         saved_rng = self._rng_offsets()
         self._zero_grad()
         self._clear_flags()
-        with self._step_fn_running():
-            out = self._run_fn(args, kwargs, is_dropless=False)
+        out = self._call_fn(args, kwargs, is_dropless=False)
         overflow, spill, over_budget = (int(v) for v in self._reduced_flags().tolist())
         self._count_flags(overflow, spill, over_budget)
         if overflow or over_budget:
@@ -574,8 +867,7 @@ class GraphStep:
         self._stats.eager_reruns += 1
         self._zero_grad()
         self._clear_flags()
-        with self._step_fn_running():
-            out = self._run_fn(args, kwargs, is_dropless=True)
+        out = self._call_fn(args, kwargs, is_dropless=True)
         self._clear_flags()
         grown = self._grow_budget()
         out = finish(out)
@@ -620,28 +912,30 @@ class GraphStep:
 
     def _captured_body(self, static_args, static_kwargs):
         self._clear_flags()
-        with self._step_fn_running():
-            out = self._run_fn(static_args, static_kwargs, is_dropless=False)
+        out = self._call_fn(static_args, static_kwargs, is_dropless=False)
         flags = self._reduced_flags()
         self._flags_host.copy_(flags, non_blocking=True)
         if self._update is not None:
             flagged = (flags[0] + flags[2]) > 0
-            self._update.step(flagged)
+            with self._hyper.in_groups():         # NOTE [scheduled hyperparameters]
+                self._update.step(flagged)
         return out
 
-    def _capture(self, sig, leaves, spec) -> _Graph:
+    def _capture(self, sig, leaves, spec, args, kwargs) -> _Graph:
         self._check_capturable()
         dev = self.device
         if self._manager is not None:
             self._manager.warmup()
         self._zero_grad()                    # NOTE [gradients]
+        if self._hyper is not None:
+            self._hyper.write()              # before the capture: the graph reads the tensors
         torch.cuda.synchronize(dev)
         if self._stats.memory_before_capture is None:
             self._stats.memory_before_capture = torch.cuda.memory_allocated(dev)
         if self._update is not None:
             self._update.allocate()
         reserved0 = torch.cuda.memory_reserved(dev)
-        inputs = S.StaticInputs(leaves, spec)
+        inputs = S.StaticInputs(leaves, spec, (args, kwargs))
         static_args, static_kwargs = inputs.args_kwargs()
         graph = torch.cuda.CUDAGraph()
         for gen in self._generators:
@@ -674,38 +968,40 @@ class GraphStep:
                 pass
             torch.cuda.empty_cache()
             traceback.clear_frames(exc.__traceback__)   # drop the activations its frames hold
-            if isinstance(exc, _StepCalledError):
+            if isinstance(exc, (_StepCalledError, _NeverRanError)):
                 raise                                   # the same error as eagerly
-            raise CaptureError(_capture_failure_message(exc, self._name)) from exc
+            raise CaptureError(_capture_failure_message(exc, self._name, bool(self._ddp))) \
+                from exc
         current.wait_stream(stream)
         capture_s = time.perf_counter() - t0
         grads = []
         if self.optimizer is not None:
             grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]
                      if p.grad is not None]
+        names = S.leaf_names(args, kwargs)
+        described = "; ".join(f"{n}: {x.describe()}" for n, x in zip(names, sig[1]))
         entry = _Graph(signature=sig, graph=graph, inputs=inputs, outputs=S.detach_tree(out),
-                       grads=grads,
-                       hyper=hyperparameters(self.optimizer) if self.optimizer is not None else (),
-                       nbytes=max(0, torch.cuda.memory_reserved(dev) - reserved0))
+                       grads=grads, nbytes=max(0, torch.cuda.memory_reserved(dev) - reserved0),
+                       described=described)
         _LIVE_GRAPHS.add(graph)
         self._stats.captures += 1
         self._stats.capture_ms += 1e3 * capture_s
-        if self._first_signature is None:
-            self._first_signature = sig
+        self._captured(sig)
         self._graphs[sig] = entry
-        self._evict(keep=sig)
+        self._evict(self._graphs, sig)
         return entry
 
-    def _evict(self, keep) -> None:
+    def _evict(self, store: dict, keep) -> None:
         def over() -> bool:
-            if len(self._graphs) > self._max_graphs:
+            if len(store) > self._max_graphs:
                 return True
             budget = self._graph_memory_budget
-            return budget is not None and sum(g.nbytes for g in self._graphs.values()) > budget
+            return (store is self._graphs and budget is not None
+                    and sum(g.nbytes for g in store.values()) > budget)
 
-        while len(self._graphs) > 1 and over():
-            victim = next(k for k in self._graphs if k != keep)
-            del self._graphs[victim]
+        while len(store) > 1 and over():
+            victim = next(k for k in store if k != keep)
+            del store[victim]
 
     def _drop_graphs(self) -> None:
         self._graphs.clear()
@@ -714,14 +1010,21 @@ class GraphStep:
     # ---- replay -------------------------------------------------------------------------
     def _replay(self, entry: _Graph, leaves, args, kwargs):
         entry.inputs.stage(leaves)
+        if self._hyper is not None:
+            self._hyper.write()              # NOTE [scheduled hyperparameters]
         saved_rng = self._rng_offsets()
         entry.graph.replay()
         t0 = time.perf_counter()
         self._done_event.record()
         self._done_event.synchronize()
         overflow, spill, over_budget = (int(v) for v in self._flags_view)
-        self._status_wait_s += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        self._status_wait_s += waited
         self._stats.replays += 1
+        self._last_replay = ReplayInfo(
+            flags={"overflow": bool(overflow), "host_spill": bool(spill),
+                   "over_budget": bool(over_budget)},
+            status_wait_us=1e6 * waited, done_event=self._done_event)
         self._count_flags(overflow, spill, over_budget)
         if overflow or over_budget:
             self._restore_rng(saved_rng)
@@ -739,6 +1042,11 @@ class GraphStep:
         return S.clone_tree(out) if self._outputs_mode == "clone" else S.detach_tree(out)
 
 
+GraphStep.__init__.__signature__ = keyword_signature([
+    inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    inspect.Parameter("fn", inspect.Parameter.POSITIONAL_OR_KEYWORD)])
+
+
 def _refuse_step(owner_ref, optimizer, args, kwargs) -> None:
     """Optimizer step pre-hook: refuse ``step()`` from inside the step function."""
     owner = owner_ref()
@@ -750,33 +1058,51 @@ def _refuse_step(owner_ref, optimizer, args, kwargs) -> None:
             "Remove the call from the step function (NOTE [step ownership])")
 
 
-def graph_step(fn=None, *, optimizer=None, scaler=None, warmup: int = 2, stash=None,
-               outputs: str = "clone", on_new_shape: str = "error", max_graphs: int = 4,
-               graph_memory_budget: int | None = None, budget_growth: float = 1.5,
-               on_overflow=None, generators=(), process_group=None, distributed="auto",
-               update_skip: str = "auto", device=None):
+def _after_load(owner_ref, optimizer) -> None:
+    """Optimizer load_state_dict post-hook: copy the loaded state into the tensors the graphs
+    hold, or mark them stale (NOTE [checkpoint and resume])."""
+    owner = owner_ref()
+    if owner is not None and owner._held is not None:
+        reason, _ = owner._held.reconcile()
+        if reason is not None:
+            owner._stale = reason
+
+
+def _remove_hooks(hooks) -> None:
+    for hook in hooks:
+        hook.remove()
+
+
+def graph_step(fn=None, **options):
     """Capture a whole training iteration (forward, backward, optimizer step) in a CUDA graph.
 
     The decorated function runs forward and backward (``loss.backward()`` or
-    ``scaler.scale(loss).backward()``) and returns any pytree of tensors; the decorator owns
-    ``optimizer.zero_grad()`` and ``optimizer.step()`` (NOTE [gradients]). The first ``warmup``
-    calls run eagerly, the next one captures, later ones copy their tensors into the static
-    buffers and replay. Each replay reads the step's device status once (NOTE [status
-    readback]); when it says overflow or over budget, the update was skipped on the device
-    (NOTE [update skipping]), the same inputs run again eagerly under
-    :func:`graphstash.dropless`, the update is applied once, the stash budget grows by
-    ``budget_growth`` and the next call recaptures. Without CUDA every call runs eagerly (one
-    warning says so) with the same ``stats``.
+    ``scaler.scale(loss).backward()``) and returns tensors (in any of the containers its
+    arguments may use); the decorator owns ``optimizer.zero_grad()`` and ``optimizer.step()``
+    (NOTE [gradients]). The first ``warmup`` calls run eagerly, the next one captures, later
+    ones copy their tensors into the static buffers and replay. Each replay reads the step's
+    device status once (NOTE [status readback]); when it says overflow or over budget, the
+    update was skipped on the device (NOTE [update skipping]), the same inputs run again
+    eagerly under :func:`graphstash.dropless`, the update is applied once, the stash budget
+    grows by ``budget_growth`` and the next call recaptures. Without CUDA every call runs
+    eagerly (one warning says so) with the same ``stats``.
 
     Args:
-        fn: the training step. Tensor arguments may be nested in lists, tuples and dicts (for
-            example one entry per microbatch); every tensor is staged, other values are baked
-            into the graph.
+        fn: the training step: a plain function (a generator or async function is refused:
+            NOTE [steps that never ran]). Its arguments may be tensors, and lists, tuples, dicts,
+            Mappings (transformers' ``BatchEncoding``), dataclasses and attrs classes holding
+            tensors (for example one entry per microbatch): every tensor is staged, everything
+            else is compared by value and baked into the graph; what cannot be compared (a numpy
+            array, an arbitrary object) is refused naming its path (NOTE [what a step may take]).
         optimizer: a ``torch.optim`` Adam/AdamW (``capturable=True``; ``fused=True`` is
-            fastest) or SGD; None for a step without an update.
+            fastest) or SGD; None for a step without an update. A float ``lr`` that a scheduler
+            changes reaches the graph as a device tensor (NOTE [scheduled hyperparameters]);
+            ``load_state_dict`` on it, or on the model, takes effect in the captured graph (NOTE
+            [checkpoint and resume]).
         scaler: an optional ``torch.amp.GradScaler`` (fp16); the decorator calls its
             ``step``/``update`` (``unscale_`` inside the step is fine).
-        warmup: eager calls before the first capture (>= 1 when the optimizer has no state).
+        warmup: eager calls before the first capture (>= 1 when the optimizer has no state;
+            11 at least with DistributedDataParallel: NOTE [DDP]).
         stash: a :class:`graphstash.stash.StashConfig` or ``StashManager``; the step runs with
             it as the default manager, sized from the warmup's demand.
         outputs: ``"clone"`` returns detached copies; ``"static"`` returns the graph's own
@@ -791,17 +1117,18 @@ def graph_step(fn=None, *, optimizer=None, scaler=None, warmup: int = 2, stash=N
             update (for example to grow an MoE dispatch budget); graphs are recaptured
             afterwards. If it raises, the call raises :class:`graphstash.UpdateAppliedError`
             (the update was applied: do not retry the batch).
-        generators: extra CUDA ``torch.Generator`` objects the step draws from (the default
-            one is always registered with the graph).
+        generators: extra CUDA ``torch.Generator`` objects the step draws from (a list or
+            tuple, or one generator; the default one is always registered with the graph).
         process_group / distributed: flags are all-reduced over this group when
             ``torch.distributed`` is initialised (``distributed="auto"``).
         update_skip: ``"auto"``, ``"found_inf"`` or ``"mask"`` (NOTE [update skipping]).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device`` (default: the
             optimizer's parameters).
 
-    The step function must not call ``optimizer.step()`` (ValueError, NOTE [step
-    ownership]). Without CUDA, shapes that change after the warmup raise as on the GPU and an
-    optimizer a GPU run would refuse warns (NOTE [same contract on the CPU]).
+    The options are one frozen :class:`~graphstash.graph.StepOptions` (an unknown keyword or a
+    bad value raises TypeError/ValueError naming it). The step function must not call
+    ``optimizer.step()`` (ValueError, NOTE [step ownership]). Without CUDA, the call that would
+    capture and every later one run as a replay would (NOTE [same contract on the CPU]).
 
     Example::
 
@@ -817,11 +1144,11 @@ def graph_step(fn=None, *, optimizer=None, scaler=None, warmup: int = 2, stash=N
             loss = train_step(x, y)     # eager, eager, capture + replay, replay, ...
         print(train_step.stats.replays, train_step.stats.overflows)
     """
-    kwargs = dict(optimizer=optimizer, scaler=scaler, warmup=warmup, stash=stash, outputs=outputs,
-                  on_new_shape=on_new_shape, max_graphs=max_graphs,
-                  graph_memory_budget=graph_memory_budget, budget_growth=budget_growth,
-                  on_overflow=on_overflow, generators=generators, process_group=process_group,
-                  distributed=distributed, update_skip=update_skip, device=device)
+    opts = StepOptions.from_keywords("graph_step", options)
     if fn is None:
-        return lambda f: GraphStep(f, **kwargs)
-    return GraphStep(fn, **kwargs)
+        return lambda f: GraphStep(f, **opts.as_keywords())
+    return GraphStep(fn, **opts.as_keywords())
+
+
+graph_step.__signature__ = keyword_signature([
+    inspect.Parameter("fn", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)])

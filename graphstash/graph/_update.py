@@ -75,20 +75,6 @@ def has_state(optimizer) -> bool:
     return len(optimizer.state) > 0
 
 
-def hyperparameters(optimizer) -> tuple:
-    """Host-side hyperparameters a captured step bakes in (floats, ints, bools per group).
-
-    Tensor-valued ones (a CUDA ``lr`` tensor) are read on the device and left out.
-    """
-    items = []
-    for group in optimizer.param_groups:
-        items.append(tuple(sorted(
-            (k, v) for k, v in group.items()
-            if k != "params" and isinstance(v, (int, float, bool, tuple, str, type(None)))
-            and not (isinstance(v, tuple) and any(isinstance(e, torch.Tensor) for e in v)))))
-    return tuple(items)
-
-
 def _written_tensors(optimizer) -> list[torch.Tensor]:
     """Tensors ``optimizer.step()`` may write: params with a grad and their state tensors."""
     out, seen = [], set()

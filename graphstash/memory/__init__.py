@@ -14,6 +14,7 @@ Nothing here touches the GPU at import time.
 from __future__ import annotations
 
 import gc
+import inspect
 from bisect import bisect_left
 from typing import Callable
 
@@ -57,6 +58,13 @@ def _check_arguments(step_fn, model, optimizer, stash_manager, steps, warmup, ca
                      max_entries) -> None:
     if not callable(step_fn):
         raise TypeError(f"step_fn: expected a callable, got {type(step_fn).__name__}")
+    for check, what in ((inspect.isgeneratorfunction, "a generator function"),
+                        (inspect.iscoroutinefunction, "an async function"),
+                        (inspect.isasyncgenfunction, "an async generator function")):
+        if check(step_fn) or check(getattr(type(step_fn), "__call__", None)):
+            raise TypeError(f"step_fn: expected a function that runs the step when called, got "
+                            f"{what}: its body would never run, and the report would measure "
+                            "nothing")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -146,11 +154,11 @@ def profile(step_fn: Callable, *args, model=None, optimizer=None, stash_manager=
                 recorder.begin_step()
                 if graph is not None and i == 0:
                     with torch.cuda.graph(graph):
-                        held.append(step_fn(*args))
+                        held.append(_ran(step_fn(*args)))
                 elif graph is not None:
                     graph.replay()
                 else:
-                    step_fn(*args)
+                    _ran(step_fn(*args))
             if on_cuda:
                 torch.cuda.synchronize(dev)
         finally:
@@ -190,19 +198,31 @@ def profile(step_fn: Callable, *args, model=None, optimizer=None, stash_manager=
                         allocator_peak=allocator_peak, marks=marks, notes=notes)
 
 
+def _ran(result):
+    """``result`` of a step call, refused when the call returned before running its body (a
+    generator, coroutine or awaitable from a function profile could not recognise)."""
+    if inspect.isgenerator(result) or inspect.iscoroutine(result) or \
+            inspect.isasyncgen(result) or inspect.isawaitable(result):
+        if inspect.isgenerator(result) or inspect.iscoroutine(result):
+            result.close()
+        raise TypeError(f"step_fn: returned a {type(result).__name__} instead of running; its "
+                        "body never ran, so there is nothing to measure")
+    return result
+
+
 def _warm_up(step_fn, args, warmup: int, dev: torch.device, capture: bool):
     """Run the warmup calls; with ``capture`` on a side stream (as ``torch.cuda.graph``
     wants) and return a new ``CUDAGraph`` to capture into, else ``None``."""
     if not capture:
         for _ in range(warmup):
-            step_fn(*args)
+            _ran(step_fn(*args))
         return None
     current = torch.cuda.current_stream(dev)
     side = torch.cuda.Stream(dev)
     side.wait_stream(current)
     with torch.cuda.stream(side):
         for _ in range(warmup):
-            step_fn(*args)
+            _ran(step_fn(*args))
     current.wait_stream(side)
     torch.cuda.synchronize(dev)
     return torch.cuda.CUDAGraph()
