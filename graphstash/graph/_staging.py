@@ -138,8 +138,8 @@ def constant_key(value, path: str):
         f"{path}: graph_step cannot see into an object of type {type(value).__qualname__} or "
         f"compare it between calls (it would be baked into the graph at capture and a changed "
         f"value replayed stale); pass tensors, plain values (numbers, strings, ...), lists, "
-        f"tuples, dicts, Mappings, dataclasses or attrs classes of them (NOTE [what a step may "
-        f"take] in graphstash/graph/_staging.py)")
+        f"tuples, dicts, Mappings, dataclasses or attrs classes of them "
+        f"(NOTE [what a step may take] in graphstash/graph/_staging.py)")
 
 
 # ---- the walk ------------------------------------------------------------------------------

@@ -632,8 +632,8 @@ class GraphStep:
                 self._say_once("state-copied", f"graphstash.graph_step({self._name}): the "
                                f"optimizer state of {copied} parameter(s) was replaced after the "
                                "capture; the new values were copied into the tensors the graph "
-                               "updates, which optimizer.state holds again (NOTE [checkpoint and "
-                               "resume])")
+                               "updates, which optimizer.state holds again "
+                               "(NOTE [checkpoint and resume])")
         if reason is None:
             return
         self._say_once("state", f"graphstash.graph_step({self._name}): {reason}; the graphs are "
@@ -678,8 +678,8 @@ class GraphStep:
         if key in ("betas", "momentum"):
             return ("it is a number baked into the graph (torch's kernels take only lr as a "
                     "tensor), so every change recaptures; a scheduler that cycles it (OneCycleLR, "
-                    "CyclicLR) keeps one graph with cycle_momentum=False (NOTE [scheduled "
-                    "hyperparameters])")
+                    "CyclicLR) keeps one graph with cycle_momentum=False "
+                    "(NOTE [scheduled hyperparameters])")
         return ("it is a number baked into the graph, so every change recaptures (NOTE "
                 "[scheduled hyperparameters])")
 
