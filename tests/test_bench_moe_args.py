@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from graphstash.bench import moe
-from graphstash.cli import build_parser
+from graphstash.tools.bench import moe
+from graphstash.tools.cli import build_parser
 from graphstash.models import PRESETS, MoEConfig, preset
 
 
@@ -62,7 +62,7 @@ def test_bad_modes_name_the_option():
 
 
 def test_bench_reports_bad_options_before_running(capsys):
-    from graphstash.bench import main
+    from graphstash.tools.bench import main
 
     assert main(_args("--layers", "0")) == 2          # checked before the GPU is looked for
     assert "--layers: expected an int > 0, got 0" in capsys.readouterr().out

@@ -15,8 +15,8 @@ DATA = pathlib.Path(__file__).resolve().parent / "data" / "bench_h200.json"
 
 def test_plots_every_suite_of_a_recorded_run(tmp_path):
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib (in the dev extra)")
-    from graphstash.bench import SUITES
-    from graphstash.bench._plots import write
+    from graphstash.tools.bench import SUITES
+    from graphstash.tools.bench.plots import write
 
     results = json.loads(DATA.read_text())
     # The recorded run predates the hf suite: add a result of its shape (one model, its runs).
@@ -34,7 +34,7 @@ def test_plots_every_suite_of_a_recorded_run(tmp_path):
 
 def test_kernel_figure_has_one_bar_per_measured_shape(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib (in the dev extra)")
-    from graphstash.bench import _plots
+    from graphstash.tools.bench import plots as _plots
 
     results = json.loads(DATA.read_text())
     plt = _plots._pyplot()

@@ -7,7 +7,7 @@ import torch
 
 import graphstash
 from graphstash import _layout as L
-from graphstash import cli
+from graphstash.tools import cli
 from graphstash.memory import OWNERS, profile, static_footprint
 from graphstash.models import MoEConfig, MoEModel
 

@@ -497,7 +497,7 @@ def test_model_stash_mode_matches_budget(gen):
 
 
 def test_moe_demo_runs_on_cpu(capsys):
-    from graphstash.models import moe_demo as demo
+    from graphstash.tools import demo
 
     results = demo.run(device="cpu", steps=3)
     assert list(results) == ["dropless", "budget", "stash"]
@@ -512,7 +512,7 @@ def test_moe_demo_runs_on_cpu(capsys):
 
 
 def test_cli_demo_modes_on_cpu(capsys):
-    from graphstash import cli
+    from graphstash.tools import cli
 
     assert cli.main(["demo", "--device", "cpu", "--steps", "2", "--mode", "stash"]) == 0
     assert "eager + budget + stash" in capsys.readouterr().out

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphstash import _layout as L
-from graphstash.bench._timing import capture_with_output
+from graphstash.tools.bench.timing import capture_with_output
 from graphstash.moe import budget_rows, combine, dispatch, grouped_mm
 
 from _moe_data import routing, tokens

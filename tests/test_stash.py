@@ -11,7 +11,7 @@ import torch
 import graphstash
 from graphstash import (CaptureError, ReleasedError, SavedTensorsError, StaleHandleError,
                         StashOverflowError)
-from graphstash.bench.stash import ExpertStack, make_inputs
+from graphstash.tools.bench.stash import ExpertStack, make_inputs
 from graphstash.stash import (StashConfig, StashManager, current_manager, mark_not_stashable,
                               stash_activations)
 
@@ -484,7 +484,7 @@ def test_zero_tail_and_copy_blocks_reach_the_buffers(monkeypatch, gen):
             def __init__(self, *a, **kw):
                 super().__init__(*a, zero_tail=False, **kw)
 
-        monkeypatch.setattr("graphstash.bench.stash.stash_activations", NoZeroTail)
+        monkeypatch.setattr("graphstash.tools.bench.stash.stash_activations", NoZeroTail)
         _run(model, inputs, counts, [("F", 0, 0), ("B", 0, 0)], 1, manager)
         monkeypatch.undo()
         assert {k for k, _ in calls} == {"stash", "reload"}

@@ -11,8 +11,8 @@ import torch
 
 import graphstash
 from graphstash import CaptureError
-from graphstash.bench._timing import capture_with_output
-from graphstash.bench.stash import ExpertStack, _config_run, _sized_peak, make_inputs
+from graphstash.tools.bench.timing import capture_with_output
+from graphstash.tools.bench.stash import ExpertStack, _config_run, _sized_peak, make_inputs
 from graphstash.stash import StashConfig, StashManager, stash_activations
 
 from _schedule import one_f_one_b, run_schedule

@@ -1,6 +1,6 @@
 """Step time and peak memory of the MoE benchmark's graph + stash mode under stash variants.
 
-Runs a configuration of ``graphstash.bench.moe`` (one GPU) in modes "eager dropless" and
+Runs a configuration of ``graphstash.tools.bench.moe`` (one GPU) in modes "eager dropless" and
 "graph + budget" once, then "graph + budget + stash" with each combination of
 ``StashConfig.copy_blocks``, ``StashConfig.device_factor`` and ``StashConfig.prefetch`` given,
 all in one process, and prints one line per run with its ratios to the two baselines. Sizes
@@ -19,7 +19,7 @@ import itertools
 import torch
 
 import graphstash
-from graphstash.bench import moe as bench
+from graphstash.tools.bench import moe as bench
 from graphstash.stash.config import PREFETCH_POINTS
 
 

@@ -16,7 +16,7 @@ Configurations: the presets at real layer widths (``graphstash.models.PRESETS``:
 ``qwen3-30b-a3b``, ``mixtral-8x7b``; gated experts, 8192 tokens per rank, as many layers as
 fit unless ``--layers``), a user's own (``--hidden --ffn --experts --topk``), and the
 launch-bound and memory-bound configurations of earlier figures. Expert parallel under
-``torchrun --nproc-per-node N -m graphstash.cli bench moe`` (WORLD_SIZE is detected; rank 0
+``torchrun --nproc-per-node N -m graphstash.tools.cli bench moe`` (WORLD_SIZE is detected; rank 0
 prints; figures are the largest over the ranks).
 
 Columns: step time (median of CUDA-event samples of back-to-back calls, each call a whole
@@ -36,10 +36,10 @@ import statistics
 
 import torch
 
-from ..memory import static_footprint
-from ..models import PRESETS, MoEConfig, MoEModel
-from ..moe import experts as _experts
-from ._timing import eager_training_step, event_ms
+from ...memory import static_footprint
+from ...models import PRESETS, MoEConfig, MoEModel
+from ...moe import experts as _experts
+from .timing import eager_training_step, event_ms
 
 # NOTE [bench budgets]: the launch-bound and memory-bound configurations size their static
 # buffers at twice the average rows a rank receives (capacity_factor=2.0), the worst case at

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from .models import moe_demo as _moe_demo
-from .paging import PagedStashBuffer
+from . import demo as _moe_demo
+from ..paging import PagedStashBuffer
 
 MODES = _moe_demo.MODES + ("paging",)
 

@@ -18,8 +18,8 @@ import warnings
 
 import torch
 
-from .memory import profile
-from .models import PRESETS, MoEConfig, MoEModel, preset
+from ..memory import profile
+from ..models import PRESETS, MoEConfig, MoEModel, preset
 
 MODES = ("dropless", "budget", "stash")
 # On the CPU every size is capped (a reduced run of the same structure). On a GPU the
@@ -92,7 +92,7 @@ def _stash_config(mode: str, dev: torch.device):
     """The stash configuration ``graphstash bench moe`` runs (None without stashing)."""
     if mode != "stash":
         return None
-    from .stash import StashConfig
+    from ..stash import StashConfig
 
     if dev.type == "cuda":
         from .bench.moe import stash_config
@@ -105,7 +105,7 @@ def _stash_config(mode: str, dev: torch.device):
 def _build(mode: str, config: MoEConfig, dev: torch.device, dtype: torch.dtype):
     """Model, optimizer, the step (``step(x)``) and its stash manager, as bench moe builds
     them: ``graph_step`` for the budget and stash modes, a plain eager loop for dropless."""
-    from .graph import graph_step
+    from ..graph import graph_step
 
     on_gpu = dev.type == "cuda"
     model = MoEModel(config, mode=mode, seed=0, device=dev, dtype=dtype)
@@ -152,7 +152,7 @@ def _cpu_graph_step_quiet(on_gpu: bool):
 
 def run(args) -> int:
     """Build, warm up and record one step; print the report (and write the plot)."""
-    from .moe import experts as _experts
+    from ..moe import experts as _experts
 
     if args.top < 1:
         raise ValueError(f"--top: expected a positive int, got {args.top}")

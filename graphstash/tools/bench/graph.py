@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..graph import graph_step
+from ...graph import graph_step
 
 CONFIGS = {
     # many small layers: the eager step is bound by kernel launches
@@ -105,12 +105,12 @@ def run(quick: bool = False) -> dict:
 
     Example::
 
-        from graphstash.bench import graph
+        from graphstash.tools.bench import graph
         results = graph.run(quick=True)
         assert results["launch_bound"]["speedup"] >= 2.5
     """
     if not torch.cuda.is_available():
-        raise RuntimeError("graphstash.bench.graph: needs a CUDA GPU; none is visible")
+        raise RuntimeError("graphstash.tools.bench.graph: needs a CUDA GPU; none is visible")
     iters = 20 if quick else 100
     results = {}
     for name, cfg in CONFIGS.items():

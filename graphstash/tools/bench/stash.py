@@ -18,8 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..stash import StashConfig, StashManager, stash_activations
-from ._timing import capture, time_calls, time_calls_interleaved, time_replays_interleaved
+from ...stash import StashConfig, StashManager, stash_activations
+from .timing import capture, time_calls, time_calls_interleaved, time_replays_interleaved
 
 
 class ExpertStack(torch.nn.Module):

@@ -36,7 +36,7 @@ def main(args) -> int:
         return 2
     results = {}
     for suite in suites:
-        module = __import__(f"graphstash.bench.{suite}", fromlist=["run"])
+        module = __import__(f"graphstash.tools.bench.{suite}", fromlist=["run"])
         if "args" in inspect.signature(module.run).parameters:
             results[suite] = module.run(quick=args.quick, args=args)
         else:
@@ -45,7 +45,7 @@ def main(args) -> int:
         with open(args.json_path, "w") as f:
             json.dump(results, f, indent=2)
     if args.plot_dir:
-        from ._plots import write
+        from .plots import write
 
         for path in write(results, args.plot_dir):
             print(f"wrote {path}")

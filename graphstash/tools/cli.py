@@ -38,20 +38,20 @@ def _info(args) -> int:
 
 
 def _demo(args) -> int:
-    from graphstash import demo
+    from graphstash.tools import paging_demo as demo
 
     return demo.run(device=args.device, steps=args.steps, hidden=args.hidden, seed=args.seed,
                     size=args.size, mode=args.mode)
 
 
 def _bench(args) -> int:
-    from graphstash import bench
+    from graphstash.tools import bench
 
     return bench.main(args)
 
 
 def _memory(args) -> int:
-    from graphstash import memory_command
+    from graphstash.tools import memory_command
 
     try:
         return memory_command.run(args)
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_info)
     p = sub.add_parser("demo", help="train the reference MoE model with graph_step and stashing "
                        "(on the CPU: eagerly, small)")
-    from graphstash import demo as _demo_module
+    from graphstash.tools import paging_demo as _demo_module
 
     p.add_argument("--mode", default="all", choices=_demo_module.MODES,
                    help="all (eager dropless, graph + budget, graph + budget + stash; default), "
@@ -80,13 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_demo)
     p = sub.add_parser("bench", help="benchmarks, each next to its baseline in the same run")
-    from graphstash import bench
+    from graphstash.tools import bench
 
     bench.add_arguments(p)
     p.set_defaults(func=_bench)
     p = sub.add_parser("memory", help="where the memory of a training step is: the peak, the "
                        "blocks alive at it by owner, a timeline (on the CPU: reduced)")
-    from graphstash import memory_command
+    from graphstash.tools import memory_command
 
     memory_command.add_arguments(p)
     p.set_defaults(func=_memory, parser=p)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from .. import _backend
 from ..moe import experts as _experts
-from .moe import MoEConfig, MoEModel
+from ..models import MoEConfig, MoEModel
 
 MODES = ("stash", "budget", "dropless", "all")
 
