@@ -496,30 +496,6 @@ def test_model_stash_mode_matches_budget(gen):
             torch.testing.assert_close(a, b)
 
 
-def test_moe_demo_runs_on_cpu(capsys):
-    from graphstash.tools import demo
-
-    results = demo.run(device="cpu", steps=3)
-    assert list(results) == ["dropless", "budget", "stash"]
-    for mode in ("budget", "stash"):
-        torch.testing.assert_close(torch.tensor(results[mode]["losses"]),
-                                   torch.tensor(results["dropless"]["losses"]))
-    used, spilled, pool = results["stash"]["pages"]
-    assert 0 < used <= pool
-    out = capsys.readouterr().out
-    assert "no CUDA GPU in use" in out and "eager + budget + stash" in out
-    assert "pages peak/pool" in out
-
-
-def test_cli_demo_modes_on_cpu(capsys):
-    from graphstash.tools import cli
-
-    assert cli.main(["demo", "--device", "cpu", "--steps", "2", "--mode", "stash"]) == 0
-    assert "eager + budget + stash" in capsys.readouterr().out
-    assert cli.main(["demo", "--device", "cpu", "--steps", "2", "--mode", "paging"]) == 0
-    assert "rows checked byte for byte" in capsys.readouterr().out
-
-
 @pytest.mark.parametrize("gated", [False, True])
 def test_plain_peer_matches_dropless(gen, gated):
     """The peer (plain PyTorch: sort, histc, grouped GEMM over T*K rows, index_add_) computes

@@ -1,4 +1,9 @@
-"""The ``graphstash`` command: ``info``, ``demo``, ``bench`` and ``memory``."""
+"""The ``graphstash`` command: ``info``, ``demo``, ``bench`` and ``memory``.
+
+Run it as ``graphstash ...`` (the installed script) or ``python -m graphstash.tools.cli ...``.
+A flag with a value the command cannot use stops it before any work, with one line naming
+the flag on stderr and exit status 2 (:mod:`graphstash.tools.options`).
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +11,8 @@ import platform
 import sys
 
 import torch
+
+from . import options
 
 
 def _info(args) -> int:
@@ -18,11 +25,12 @@ def _info(args) -> int:
     print(f"python     {platform.python_version()} ({sys.executable})")
     print(f"torch      {torch.__version__} (CUDA build: {torch.version.cuda or 'none'})")
     print(f"numpy      {numpy.__version__}")
-    try:
-        cupy = _kernels._import_cupy()
+    ok, why = _kernels.availability()
+    cupy = sys.modules.get("cupy")
+    if ok and cupy is not None:
         print(f"cupy       {cupy.__version__}")
-    except Exception as exc:  # noqa: BLE001 - reported, not raised
-        print(f"cupy       not usable: {exc}")
+    else:
+        print(f"cupy       not usable: {why}")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
@@ -38,64 +46,55 @@ def _info(args) -> int:
 
 
 def _demo(args) -> int:
-    from graphstash.tools import paging_demo as demo
+    from . import demo
 
-    return demo.run(device=args.device, steps=args.steps, hidden=args.hidden, seed=args.seed,
-                    size=args.size, mode=args.mode)
+    return demo.main(args)
 
 
 def _bench(args) -> int:
-    from graphstash.tools import bench
+    from . import bench
 
     return bench.main(args)
 
 
 def _memory(args) -> int:
-    from graphstash.tools import memory_command
+    from . import memory_command
 
-    try:
-        return memory_command.run(args)
-    except ValueError as exc:           # a bad flag value: say which, as argparse would
-        args.parser.error(str(exc))
+    return memory_command.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="graphstash", description=__doc__)
+    from . import bench, demo, memory_command
+
+    parser = argparse.ArgumentParser(prog="graphstash", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, GPUs, and which backend would run")
     p.set_defaults(func=_info)
     p = sub.add_parser("demo", help="train the reference MoE model with graph_step and stashing "
-                       "(on the CPU: eagerly, small)")
-    from graphstash.tools import paging_demo as _demo_module
-
-    p.add_argument("--mode", default="all", choices=_demo_module.MODES,
-                   help="all (eager dropless, graph + budget, graph + budget + stash; default), "
-                   "one of them, or paging (the bare paged stash buffer demo)")
-    p.add_argument("--size", default="auto", choices=("auto", "tiny", "small", "medium", "large"),
-                   help="model size (default: medium on a GPU, tiny on the CPU)")
-    p.add_argument("--steps", type=int, default=20, help="training steps per mode")
-    p.add_argument("--device", default="auto", help="auto (GPU if there is one), cuda or cpu")
-    p.add_argument("--hidden", type=int, default=None,
-                   help="hidden width (default: by size; for paging, the row width)")
-    p.add_argument("--seed", type=int, default=0)
+                       "(on the CPU: eagerly, small)", description=demo.__doc__.split("\n\n")[0])
+    demo.add_arguments(p)
     p.set_defaults(func=_demo)
-    p = sub.add_parser("bench", help="benchmarks, each next to its baseline in the same run")
-    from graphstash.tools import bench
-
+    p = sub.add_parser("bench", help="benchmarks, each next to its baseline in the same run "
+                       "(needs a CUDA GPU)")
     bench.add_arguments(p)
     p.set_defaults(func=_bench)
     p = sub.add_parser("memory", help="where the memory of a training step is: the peak, the "
-                       "blocks alive at it by owner, a timeline (on the CPU: reduced)")
-    from graphstash.tools import memory_command
-
+                       "blocks alive at it by owner, a timeline (on the CPU: reduced)",
+                       description=memory_command.__doc__.split("\n\n")[0])
     memory_command.add_arguments(p)
-    p.set_defaults(func=_memory, parser=p)
+    p.set_defaults(func=_memory)
     return parser
 
 
 def main(argv=None) -> int:
+    """Run the command ``argv`` (default: ``sys.argv[1:]``); returns the exit status. A bad
+    flag value exits with status 2 after one line on stderr naming the flag."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except options.FlagError as exc:
+        print(f"graphstash {args.command}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -1,32 +1,41 @@
-"""``graphstash demo``: train the reference MoE model for a few steps and report what it cost.
+"""``graphstash demo``: train the reference MoE model for a few steps and report what it cost;
+with ``--mode paging``, exercise a bare paged stash buffer.
 
 On a GPU the step is a :func:`graphstash.graph_step` (eager warmup, one capture, replays)
 over a static-budget dispatch with the experts' activations stashed (bf16, CuPy kernels).
 Without a GPU the same code runs eagerly on the CPU with the reference backend and a small
 configuration (float32), and says so. Modes: ``stash``, ``budget`` (graph, no stash),
-``dropless`` (a plain eager loop, buffers sized from the real counts) and ``all`` (the
-default: the three, one after the other, from the same initialisation and batches).
+``dropless`` (a plain eager loop, buffers sized from the real counts), ``all`` (the default:
+the three, one after the other, from the same initialisation and batches) and ``paging``.
 
-Each mode prints its progress, and a closing table gives per mode: the step time (steady
-state: after warmup and capture), the peak memory (CUDA only), the stash pages at their
-peak (device tier) and spilled (pinned-host tier), and the steps that overflowed, went over
-the dispatch budget, or were rerun dropless.
+Each training mode prints its progress, and a closing table gives per mode: the step time
+(steady state: after warmup and capture), the peak memory (CUDA only), the stash pages at
+their peak (device tier) and spilled (pinned-host tier), and the steps that overflowed, went
+over the dispatch budget, or were rerun dropless. The model, optimizer, batches and step are
+those of :mod:`graphstash.tools.training`.
+
+The paging demo: each simulated layer computes into a static ``[budget, hidden]`` buffer of
+which only ``num_tokens`` rows (a device scalar, different every step) are live, as a dropless
+MoE expert does under a CUDA graph. It stashes every layer's live rows after its "forward",
+frees the static buffer, reloads in backward order (and, every other step, in a shuffled
+order, as a pipeline schedule would), checks each reloaded row byte for byte, and prints what
+it held and what it saved.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
-import warnings
 
 import torch
-from tqdm import tqdm
 
 from .. import _backend
-from ..moe import experts as _experts
-from ..models import MoEConfig, MoEModel
+from ..models import MoEConfig
+from ..paging import PagedStashBuffer
+from . import options, training
 
-MODES = ("stash", "budget", "dropless", "all")
+TRAINING_MODES = ("stash", "budget", "dropless", "all")
+MODES = TRAINING_MODES + ("paging",)
+SIZE_NAMES = ("auto", "tiny", "small", "medium", "large")
 
 # Per size: the model and the tokens of one step. "auto" is "medium" on a GPU, "tiny" on a CPU.
 # Budgets leave room for routing skew (1.5-2x the average rows), so the stash has dead rows to
@@ -43,47 +52,45 @@ SIZES = {
 }
 _LABELS = {"stash": "graph + budget + stash", "budget": "graph + budget",
            "dropless": "eager dropless"}
-_WARMUP = 2
+LR = 3e-3
+DISTINCT_BATCHES = 8            # a few distinct batches, cycled
 
 
-def _pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("graphstash demo: --device cuda requested but torch sees no CUDA GPU")
-    if dev.type not in ("cuda", "cpu"):
-        raise SystemExit(f"graphstash demo: --device must be auto, cuda or cpu, got {device}")
-    return dev
+def add_arguments(p) -> None:
+    """The demo's flags on its ``argparse`` parser (checked by :func:`main`)."""
+    p.add_argument("--mode", default="all", choices=MODES,
+                   help="all (eager dropless, graph + budget, graph + budget + stash; default), "
+                   "one of them, or paging (the bare paged stash buffer demo)")
+    p.add_argument("--size", default="auto", choices=SIZE_NAMES,
+                   help="model size (default: medium on a GPU, tiny on the CPU)")
+    p.add_argument("--steps", type=int, default=20,
+                   help="training steps per mode, at least 2 (default 20)")
+    p.add_argument("--device", default="auto",
+                   help=f"{', '.join(options.DEVICES)} (default auto: the GPU if torch sees one)")
+    p.add_argument("--hidden", type=int, default=None,
+                   help=f"hidden width, a multiple of {options.HIDDEN_MULTIPLE} (default: by "
+                   "size; for paging, the row width)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def main(args) -> int:
+    """``graphstash demo`` with parsed ``args``; flags are checked before anything runs."""
+    if args.mode == "paging":
+        result = run_paging(device=args.device, steps=args.steps, hidden=args.hidden,
+                            seed=args.seed)
+        return 0 if result["ok"] else 1
+    run(device=args.device, steps=args.steps, size=args.size, mode=args.mode,
+        seed=args.seed, hidden=args.hidden)
+    return 0
 
 
 def _config(size: str, on_gpu: bool, hidden: int | None) -> MoEConfig:
     if size == "auto":
         size = "medium" if on_gpu else "tiny"
-    if size not in SIZES:
-        raise SystemExit(f"graphstash demo: --size must be auto or one of {tuple(SIZES)}, "
-                         f"got {size}")
     config = dataclasses.replace(SIZES[size])
     if hidden is not None:
-        if hidden <= 0 or hidden % 8:
-            raise SystemExit(f"graphstash demo: --hidden must be a positive multiple of 8, "
-                             f"got {hidden}")
         config.hidden, config.ffn = hidden, 2 * hidden
     return config
-
-
-def _data(config: MoEConfig, steps: int, seed: int, dev, dtype):
-    """``steps`` batches of tokens and their targets: a fixed random map of the tokens,
-    RMS-normalised like the model's output (so the loss starts near 2 and falls)."""
-    gen = torch.Generator().manual_seed(seed + 1)
-    proj = torch.randn(config.hidden, config.hidden, generator=gen) / math.sqrt(config.hidden)
-    batches = []
-    for _ in range(min(steps, 8)):        # a few distinct batches, cycled
-        x = torch.randn(config.num_tokens, config.hidden, generator=gen)
-        y = torch.tanh(x @ proj)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
-        batches.append((x.to(dev, dtype), y.to(dev, torch.float32)))
-    return batches
 
 
 def _sync(dev) -> None:
@@ -100,70 +107,52 @@ def _stash_pages(manager) -> tuple[int, int, int]:
             sum(b["num_device_pages"] for b in buffers))
 
 
+def _progress(steps: int, mode: str):
+    """A live progress bar on a terminal where tqdm is installed (it turns itself off when
+    output is not a TTY); else the plain range. Its ``write`` prints a line either way."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(range(steps), desc=f"  {mode}", unit="step", leave=False, disable=None)
+
+
 def _train(mode: str, config: MoEConfig, dev, dtype, batches, steps: int, seed: int) -> dict:
     """Train ``steps`` steps in ``mode``; returns the losses and the numbers of the table."""
-    from ..graph import graph_step
     from ..stash import StashConfig
 
     on_gpu = dev.type == "cuda"
     if on_gpu:
-        # Decide, before anything is captured, whether the experts' grouped GEMM can be
-        # (NOTE [grouped_mm under capture] in graphstash/moe/experts.py).
-        _experts._probe(dev, dtype)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
-    model = MoEModel(config, mode=mode, seed=seed).to(dev, dtype)
     graphed = mode != "dropless"
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=on_gpu or None,
-                            capturable=on_gpu and graphed)
-
-    def loss_of(x, y):
-        return (model(x).float() - y).pow(2).mean()
-
-    if graphed:
-        # A small pinned-host tier beside a device tier sized from the warmup's demand.
-        stash = StashConfig(device_factor=1.1, host_factor=0.25) if mode == "stash" else None
-
-        @graph_step(optimizer=opt, stash=stash, warmup=_WARMUP, device=dev)
-        def train_step(x, y):
-            loss = loss_of(x, y)
-            loss.backward()
-            return loss
-
-        model.status = train_step.status     # over-budget flags reach the step (and reruns)
-        run_step = train_step
-    else:
-        train_step = None
-
-        def run_step(x, y):
-            opt.zero_grad(set_to_none=True)
-            loss = loss_of(x, y)
-            loss.backward()
-            opt.step()
-            return loss.detach()
-
+    # A small pinned-host tier beside a device tier sized from the warmup's demand.
+    stash = StashConfig(device_factor=1.1, host_factor=0.25) if mode == "stash" else None
+    run_ = training.build(config, mode, dev, dtype, graphed=graphed, seed=seed, lr=LR,
+                          stash=stash)
+    train_step = run_.graph
     every = max(1, steps // 5)
-    timed_from = min(_WARMUP + 1, steps - 1) if graphed else min(1, steps - 1)
+    timed_from = min(training.WARMUP + 1, steps - 1) if graphed else min(1, steps - 1)
     losses, timed_s = [], 0.0
-    # A live progress bar on a terminal (tqdm turns itself off when output is not a TTY);
-    # the periodic loss lines are printed either way.
-    progress = tqdm(range(steps), desc=f"  {mode}", unit="step", leave=False, disable=None)
-    for i in progress:
+    bar = _progress(steps, mode)
+    write = print if bar is None else bar.write
+    for i in (range(steps) if bar is None else bar):
         shown = i % every == 0 or i == steps - 1
         before = train_step.stats if graphed and shown else None
         x, y = batches[i % len(batches)]
         t0 = time.perf_counter()
-        loss = run_step(x, y)
+        loss = run_.step(x, y)
         _sync(dev)
         if i >= timed_from:                  # steady state: after warmup and capture
             timed_s += time.perf_counter() - t0
         losses.append(loss)
         if shown:
             after = train_step.stats if graphed else None
-            progress.write(f"  step {i + 1:>4}/{steps}  loss {float(loss):.4f}  "
-                           f"{_what_ran(before, after, on_gpu)}")
-        progress.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+            write(f"  step {i + 1:>4}/{steps}  loss {float(loss):.4f}  "
+                  f"{_what_ran(before, after, on_gpu)}")
+        if bar is not None:
+            bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
     step_ms = timed_s / (steps - timed_from) * 1e3
     losses = [float(v) for v in losses]
     result = {"losses": losses, "step_ms": step_ms, "peak_mib": None,
@@ -175,8 +164,8 @@ def _train(mode: str, config: MoEConfig, dev, dtype, batches, steps: int, seed: 
         st = train_step.stats
         result.update(overflows=st.overflows, over_budget=st.over_budget,
                       reruns=st.eager_reruns, replays=st.replays, spill_steps=st.host_spills,
-                      pages=_stash_pages(train_step.stash_manager))
-        train_step.release()
+                      pages=_stash_pages(run_.stash_manager))
+    run_.release()
     return result
 
 
@@ -215,30 +204,42 @@ def _print_table(results: dict, on_gpu: bool) -> None:
         print("peak memory is measured on CUDA devices only")
 
 
+def _checked(device: str, steps: int, hidden, size: str = "auto", mode: str = "all"):
+    """The demo's flags checked (FlagError naming the flag) before anything runs."""
+    if mode not in MODES:
+        raise options.FlagError(f"--mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    if size not in SIZE_NAMES:
+        raise options.FlagError(f"--size: expected one of {', '.join(SIZE_NAMES)}, "
+                                f"got {size!r}")
+    dev = options.device("--device", device)
+    options.positive_int("--steps", steps, minimum=2)
+    options.hidden_width("--hidden", hidden)
+    return dev
+
+
 def run(device: str = "auto", steps: int = 20, size: str = "auto", mode: str = "all",
         seed: int = 0, hidden: int | None = None) -> dict:
     """Train the reference MoE model ``steps`` steps per mode; returns ``{mode: numbers}``.
 
     Args:
         device: ``"auto"`` (the GPU if torch sees one), ``"cuda"`` or ``"cpu"``.
-        steps: training steps per mode (on a GPU, the first ``2`` are eager warmup and the
-            third is captured).
+        steps: training steps per mode, at least 2 (on a GPU, the first ``2`` are eager
+            warmup and the third is captured).
         size: ``"auto"``, ``"tiny"``, ``"small"``, ``"medium"`` or ``"large"`` (:data:`SIZES`).
         mode: ``"all"`` (dropless, budget, stash), ``"stash"``, ``"budget"`` or ``"dropless"``.
         seed: initialisation and data seed (every mode starts from the same model).
-        hidden: overrides the size's hidden width (ffn = 2 x hidden).
+        hidden: overrides the size's hidden width (ffn = 2 x hidden), a multiple of 8.
 
-    Example::
+    A bad value raises :class:`graphstash.tools.options.FlagError` naming the flag, before
+    anything runs. Example::
 
         results = run(device="cpu", steps=4)
         results["stash"]["losses"]        # close to results["dropless"]["losses"]
     """
-    if mode not in MODES:
-        raise SystemExit(f"graphstash demo: --mode must be one of {MODES + ('paging',)}, "
-                         f"got {mode}")
-    if steps < 2:
-        raise SystemExit(f"graphstash demo: --steps must be at least 2, got {steps}")
-    dev = _pick_device(device)
+    if mode == "paging":
+        raise options.FlagError("--mode: expected a training mode here, got 'paging' "
+                                "(run_paging runs it)")
+    dev = _checked(device, steps, hidden, size, mode)
     on_gpu = dev.type == "cuda"
     config = _config(size, on_gpu, hidden)
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -250,16 +251,11 @@ def run(device: str = "auto", steps: int = 20, size: str = "auto", mode: str = "
     print(f"MoE: {config.layers} layers, hidden {config.hidden}, ffn {config.ffn}, "
           f"{config.num_experts} experts top-{config.topk}, {config.num_tokens} tokens/step, "
           f"capacity factor {config.capacity_factor}")
-    batches = _data(config, steps, seed, dev, dtype)
+    batches = training.batches(config, min(steps, DISTINCT_BATCHES), seed=seed, device=dev,
+                               dtype=dtype)
     modes = ["dropless", "budget", "stash"] if mode == "all" else [mode]
     results = {}
-    with warnings.catch_warnings():
-        # graph_step warns once per step function that it runs eagerly; said above already.
-        warnings.filterwarnings("ignore", message=r"graphstash\.graph_step\(.*eagerly",
-                                category=RuntimeWarning)
-        # the optimizer is capturable on a GPU only (torch's CPU optimizers cannot be)
-        warnings.filterwarnings("ignore", message=r"graphstash\.graph_step\(.*capturable=False",
-                                category=RuntimeWarning)
+    with training.quiet_cpu_graph_step(on_gpu):
         for m in modes:
             print(f"\n{_label(m, on_gpu)}:")
             results[m] = _train(m, config, dev, dtype, batches, steps, seed)
@@ -267,3 +263,85 @@ def run(device: str = "auto", steps: int = 20, size: str = "auto", mode: str = "
     if mode != "all":
         print("(--mode all compares with eager dropless and with the graph without stashing)")
     return results
+
+
+def run_paging(device: str = "auto", steps: int = 20, hidden: int | None = None, seed: int = 0,
+               layers: int = 8) -> dict:
+    """Stash and reload the live rows of ``layers`` static buffers per step, checking them.
+
+    Returns ``{"ok", "rows_checked", "spilled_steps", "overflow_steps", "peak_pages"}``;
+    ``ok`` is False if a reloaded row differed. Flags are checked as :func:`run` does.
+    """
+    dev = _checked(device, steps, hidden, mode="paging")
+    on_gpu = dev.type == "cuda"
+    hidden = hidden or (4096 if on_gpu else 256)
+    budget = 8192 if on_gpu else 512          # rows of each static buffer (2x the average)
+    average = budget // 2
+    dtype = torch.bfloat16
+    page_size = 64
+    # Device tier for 1.1x the average demand of all layers; a small pinned-host tier beside it.
+    buf = PagedStashBuffer(int(1.1 * layers * average), hidden, dtype=dtype, device=dev,
+                           page_size=page_size, host_tokens=layers * average // 4)
+    if not on_gpu:
+        print("graphstash demo: no CUDA GPU in use, running a small configuration on the CPU "
+              "with the reference backend")
+    print(f"device {dev}, backend {buf.backend} ({buf.backend_reason})")
+    print(f"{layers} layers x static buffer [{budget}, {hidden}] {dtype}; "
+          f"pool: {buf.num_device_pages} device + {buf.num_host_pages} host pages of {page_size} rows")
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    row_bytes = hidden * 2
+    checked = spilled_steps = overflow_steps = 0
+    peak_pages = 0
+    t0 = time.perf_counter()
+    for step in range(steps):
+        buf.reset()
+        counts = torch.randint(average // 2, int(average * 1.6), (layers,), generator=gen)
+        handles, expected = [], []
+        for layer in range(layers):
+            # Row i of layer l holds values derived from (step, layer, i): misplaced rows show.
+            rows = torch.arange(budget, dtype=torch.float32).unsqueeze(1)
+            cols = torch.arange(hidden, dtype=torch.float32).unsqueeze(0)
+            static = ((rows * 7 + cols * 3 + layer * 11 + step) % 251).to(dtype).to(dev)
+            n = counts[layer:layer + 1].to(torch.int32).to(dev)
+            handles.append(buf.stash(static, n))
+            expected.append(static[: int(counts[layer])].cpu())
+            del static                                       # the oversized buffer is freed
+        # A step whose pool overflowed is untrusted: its stashes stored nothing (the flag says
+        # so), so its reloads are made but not checked.
+        trusted = not buf.read_status()["overflow"]
+        order = list(reversed(range(layers)))
+        if step % 2:
+            order = torch.randperm(layers, generator=gen).tolist()
+        for layer in order:
+            out = buf.reload(handles[layer], zero_tail=True)
+            n = int(counts[layer])
+            if not trusted:
+                continue
+            if not torch.equal(out[:n].cpu(), expected[layer]) or out[n:].abs().sum() != 0:
+                print(f"step {step} layer {layer}: reloaded rows differ")
+                return {"ok": False, "rows_checked": checked, "spilled_steps": spilled_steps,
+                        "overflow_steps": overflow_steps, "peak_pages": peak_pages}
+            checked += n
+        status = buf.read_status()
+        peak_pages = max(peak_pages, status["peak_pages"] + status["peak_host_pages"])
+        spilled_steps += status["host_spill"]
+        overflow_steps += status["overflow"]
+    elapsed = time.perf_counter() - t0
+
+    static_bytes = layers * budget * row_bytes
+    pool_bytes = buf.num_device_pages * buf.page_bytes
+    print()
+    print(f"{'steps':<28}{steps}")
+    print(f"{'rows checked byte for byte':<28}{checked}")
+    print(f"{'steps that spilled to host':<28}{spilled_steps}")
+    print(f"{'steps that overflowed':<28}{overflow_steps}")
+    print(f"{'peak pages in use':<28}{peak_pages}")
+    print(f"{'static buffers kept (MiB)':<28}{static_bytes / 2**20:.1f}  (without stashing)")
+    print(f"{'device pool (MiB)':<28}{pool_bytes / 2**20:.1f}  (with stashing)")
+    print(f"{'time per step (ms)':<28}{elapsed / steps * 1e3:.1f}")
+    if overflow_steps:
+        print("some steps overflowed: their handles stored nothing (the flag said so) and their "
+              "rows were not checked")
+    return {"ok": True, "rows_checked": checked, "spilled_steps": spilled_steps,
+            "overflow_steps": overflow_steps, "peak_pages": peak_pages}

@@ -1,37 +1,39 @@
 """``graphstash memory``: where the memory of one training step of the reference MoE model is.
 
 Builds :class:`graphstash.models.MoEModel` (a preset of :data:`graphstash.models.PRESETS` or
-the default sizes, with any width overridden) and AdamW, and the step as ``graphstash bench
-moe`` does: a plain eager loop in ``--mode dropless``, :func:`graphstash.graph_step` in the
-budget and stash modes (with ``stash=`` in the latter, whose plan is printed). After the
-warmup steps it records with :func:`graphstash.memory.profile` and prints the peak, the owner
-totals and the blocks alive at the peak; ``--plot FILE`` writes the timeline. On a GPU the
-graphed modes record the call that captures the step into a CUDA graph and the next call (a
-replay). On the CPU the model is reduced (:data:`CPU_LIMITS`) and runs eagerly in float32
-with the reference backend, and the command says so.
+the default sizes, with any width overridden), AdamW and the step as ``graphstash bench moe``
+does (:mod:`graphstash.tools.training`): a plain eager loop in ``--mode dropless``,
+:func:`graphstash.graph_step` in the budget and stash modes (with ``stash=`` in the latter,
+whose plan is printed). After the warmup steps it records with
+:func:`graphstash.memory.profile` and prints the peak, the owner totals and the blocks alive at
+the peak; ``--plot FILE`` writes the timeline. On a GPU the graphed modes record the call that
+captures the step into a CUDA graph and the next call (a replay). On the CPU the sizes not
+given by a flag are capped (:data:`CPU_LIMITS`) and the model runs eagerly in float32 with
+the reference backend; the header shows every size as it runs and says which were reduced.
+Flags are checked before anything is built (:mod:`graphstash.tools.options`).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import warnings
 
 import torch
 
 from ..memory import profile
-from ..models import PRESETS, MoEConfig, MoEModel, preset
+from ..models import PRESETS, MoEConfig, preset
+from . import options, training
 
 MODES = ("dropless", "budget", "stash")
-# On the CPU every size is capped (a reduced run of the same structure). On a GPU the
-# presets' depth is cut to GPU_LAYERS unless --layers says otherwise: 48 Qwen3-30B-A3B or 32
-# Mixtral layers with bf16 AdamW state do not fit one GPU.
+# On the CPU every size not given by a flag is capped (a reduced run of the same structure).
+# On a GPU the presets' depth is cut to GPU_LAYERS unless --layers says otherwise: 48
+# Qwen3-30B-A3B or 32 Mixtral layers with bf16 AdamW state do not fit one GPU.
 CPU_LIMITS = {"hidden": 64, "ffn": 128, "num_experts": 8, "topk": 2, "layers": 2,
               "num_tokens": 256}
 GPU_LAYERS = 4
 # flag -> MoEConfig field
 _FLAGS = {"hidden": "hidden", "ffn": "ffn", "experts": "num_experts", "topk": "topk",
           "layers": "layers", "tokens": "num_tokens", "capacity_factor": "capacity_factor"}
-WARMUP = 2            # eager steps before the recorded one (graph_step's warmup)
+WARMUP = training.WARMUP      # eager steps before the recorded one (graph_step's warmup)
+SEED = 1234                   # the recorded batch
 
 
 def add_arguments(p) -> None:
@@ -40,52 +42,54 @@ def add_arguments(p) -> None:
     p.add_argument("--mode", default="stash", choices=MODES,
                    help="dropless (eager, host-sized buffers), budget (static budget, a CUDA "
                    "graph on a GPU) or stash (budget + stashed activations; default)")
-    for flag, kind in (("hidden", int), ("ffn", int), ("experts", int), ("topk", int),
-                       ("layers", int), ("tokens", int), ("capacity-factor", float)):
-        p.add_argument(f"--{flag}", type=kind, default=None, help=f"override the {flag}")
+    p.add_argument("--hidden", type=int, default=None,
+                   help=f"hidden width, a multiple of {options.HIDDEN_MULTIPLE}")
+    for flag, what in (("ffn", "expert ffn width"), ("experts", "experts in total"),
+                       ("topk", "experts per token"), ("layers", "MoE layers"),
+                       ("tokens", "tokens per step")):
+        p.add_argument(f"--{flag}", type=int, default=None, help=what)
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="static budget as a multiple of the average rows (below 1: rows are "
+                   "over budget)")
     p.add_argument("--plot", default=None, metavar="FILE",
-                   help="write the memory timeline to FILE (PNG, PDF or SVG; matplotlib)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="auto (the GPU if torch sees one; default), cpu or cuda")
+                   help="write the memory timeline to FILE (PNG, PDF, SVG...; matplotlib)")
+    p.add_argument("--device", default="auto",
+                   help=f"{', '.join(options.DEVICES)} (default auto: the GPU if torch sees one)")
     p.add_argument("--top", type=int, default=12, help="rows listed per owner (default 12)")
 
 
-def _config(args, on_gpu: bool) -> tuple[MoEConfig, list]:
-    """The model's sizes and the lines that say how they were chosen."""
-    notes = []
+def check_flags(args) -> torch.device:
+    """Every flag checked (:class:`~graphstash.tools.options.FlagError` naming it) before
+    anything runs; returns the device."""
+    dev = options.device("--device", args.device)
+    options.hidden_width("--hidden", args.hidden)
+    for flag in ("ffn", "experts", "topk", "layers", "tokens"):
+        options.positive_int(f"--{flag}", getattr(args, flag))
+    options.positive_int("--top", args.top)
+    options.capacity_factor("--capacity-factor", args.capacity_factor, command="memory")
+    options.plot_file("--plot", args.plot)
+    return dev
+
+
+def _config(args, on_gpu: bool) -> tuple[MoEConfig, dict]:
+    """The model's sizes and ``{field: size before it was reduced}`` of those reduced."""
     config = preset(args.preset) if args.preset else MoEConfig()
     overrides = {field: getattr(args, flag) for flag, field in _FLAGS.items()
                  if getattr(args, flag) is not None}
-    for flag, field in _FLAGS.items():
-        value = overrides.get(field)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')}: expected a positive number, "
-                             f"got {value}")
+    reduced = {}
     if not on_gpu:
-        capped = {k: min(getattr(config, k), v) for k, v in CPU_LIMITS.items()}
-        if any(capped[k] != getattr(config, k) for k in capped):
-            notes.append("on the CPU the model is reduced to " + ", ".join(
-                f"{k}={v}" for k, v in capped.items()) + " (flags given override these)")
-        config = dataclasses.replace(config, **capped)
+        for field, cap in CPU_LIMITS.items():
+            if field not in overrides and getattr(config, field) > cap:
+                reduced[field] = getattr(config, field)
+                config = dataclasses.replace(config, **{field: cap})
     elif args.preset and "layers" not in overrides:
-        notes.append(f"{GPU_LAYERS} of the preset's {config.layers} layers (--layers to change)")
+        reduced["layers"] = config.layers
         config = dataclasses.replace(config, layers=GPU_LAYERS)
     config = dataclasses.replace(config, **overrides)
     if config.topk > config.num_experts:
-        raise ValueError(f"--topk: expected at most --experts={config.num_experts}, "
-                         f"got {config.topk}")
-    return config, notes
-
-
-def _device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device: expected a device torch can use, got cuda but torch sees "
-                         "no CUDA GPU")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(name)
+        raise options.FlagError(f"--topk: expected at most the experts ({config.num_experts}), "
+                                f"got {config.topk}")
+    return config, reduced
 
 
 def _stash_config(mode: str, dev: torch.device):
@@ -102,95 +106,52 @@ def _stash_config(mode: str, dev: torch.device):
     return StashConfig(host_tier=False, min_tensor_bytes=0)
 
 
-def _build(mode: str, config: MoEConfig, dev: torch.device, dtype: torch.dtype):
-    """Model, optimizer, the step (``step(x)``) and its stash manager, as bench moe builds
-    them: ``graph_step`` for the budget and stash modes, a plain eager loop for dropless."""
-    from ..graph import graph_step
+def header(args, config: MoEConfig, reduced: dict, dtype, dev, on_gpu: bool) -> str:
+    """The first line: every size as it runs, a reduced one with what it was reduced from."""
+    def size(field: str, label: str) -> str:
+        value = getattr(config, field)
+        if field not in reduced:
+            return label.format(value)
+        why = "for the CPU" if not on_gpu else "to fit one GPU; --layers to change"
+        return label.format(value) + f" (reduced from {reduced[field]} {why})"
 
-    on_gpu = dev.type == "cuda"
-    model = MoEModel(config, mode=mode, seed=0, device=dev, dtype=dtype)
-    graphed = mode != "dropless"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=on_gpu or None,
-                            capturable=on_gpu and graphed)
-
-    def loss_of(x):
-        loss = model(x).float().pow(2).mean()
-        loss.backward()
-        return loss.detach()
-
-    if not graphed:
-        def step(x):
-            opt.zero_grad(set_to_none=True)
-            loss = loss_of(x)
-            opt.step()
-            return loss
-        return model, opt, step, None
-    step = graph_step(loss_of, optimizer=opt, stash=_stash_config(mode, dev), warmup=WARMUP,
-                      device=dev)
-    model.status = step.status       # over-budget flags reach the step
-    return model, opt, step, step.stash_manager
-
-
-def _print_plan(manager) -> None:
-    """The stash manager's decision per layer group (NOTE [stash plan] in stash/manager.py)."""
-    if manager.plan():
-        print("\nstash plan (from the warmup measurement):")
-        print(manager.plan_table())
-
-
-@contextlib.contextmanager
-def _cpu_graph_step_quiet(on_gpu: bool):
-    """Without CUDA, silence graph_step's notes that it runs eagerly and that the (eager,
-    hence not capturable) optimizer would be refused on a GPU: the output says it runs
-    eagerly on the CPU."""
-    with warnings.catch_warnings():
-        if not on_gpu:
-            warnings.filterwarnings("ignore", message=r"graphstash\.graph_step\(",
-                                    category=RuntimeWarning)
-        yield
+    return (f"graphstash memory: {args.preset or 'default sizes'}, mode {args.mode}, "
+            f"{size('layers', '{} layers')}, {size('hidden', 'hidden {}')}, "
+            f"{size('ffn', 'ffn {}')}, {size('num_experts', '{} experts')} "
+            f"{size('topk', 'top-{}')}, {size('num_tokens', '{} tokens')}, "
+            f"capacity factor {config.capacity_factor}, {str(dtype).replace('torch.', '')} "
+            f"on {dev}")
 
 
 def run(args) -> int:
-    """Build, warm up and record one step; print the report (and write the plot)."""
-    from ..moe import experts as _experts
-
-    if args.top < 1:
-        raise ValueError(f"--top: expected a positive int, got {args.top}")
-    dev = _device(args.device)
+    """Check the flags, build, warm up and record one step; print the report (and write the
+    plot)."""
+    dev = check_flags(args)
     on_gpu = dev.type == "cuda"
-    config, notes = _config(args, on_gpu)
+    config, reduced = _config(args, on_gpu)
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    graphed = on_gpu and args.mode != "dropless"
-    if on_gpu:
-        # Decide before any capture whether the grouped GEMM may be captured
-        # (NOTE [grouped_mm under capture] in graphstash/moe/experts.py).
-        _experts._probe(dev, dtype)
-    with _cpu_graph_step_quiet(on_gpu):
-        model, opt, step, manager = _build(args.mode, config, dev, dtype)
-    gen = torch.Generator().manual_seed(1234)
-    x = torch.randn(config.num_tokens, config.hidden, generator=gen).to(dev, dtype)
-    print(f"graphstash memory: {args.preset or 'default sizes'}, mode {args.mode}, "
-          f"{config.layers} layers, hidden {config.hidden}, ffn {config.ffn}, "
-          f"{config.num_experts} experts top-{config.topk}, {config.num_tokens} tokens, "
-          f"capacity factor {config.capacity_factor}, {str(dtype).replace('torch.', '')} "
-          f"on {dev}")
-    for line in notes:
-        print(line)
-    if graphed:
+    graphed = args.mode != "dropless"
+    captured = on_gpu and graphed
+    print(header(args, config, reduced, dtype, dev, on_gpu))
+    if captured:
         print(f"recorded: the CUDA graph capture of the step by graph_step and the next "
               f"call's replay, after {WARMUP} eager warmup steps")
     else:
         where = "eagerly" if on_gpu else "eagerly on the CPU (no CUDA graph), reference backend"
         print(f"recorded: one step {where}, after {WARMUP} warmup steps")
-    with _cpu_graph_step_quiet(on_gpu):
-        report = profile(step, x, model=model, optimizer=opt, stash_manager=manager,
-                         warmup=WARMUP, steps=2 if graphed else 1, device=dev)
-    if manager is not None:
-        _print_plan(manager)
+    with training.quiet_cpu_graph_step(on_gpu):
+        run_ = training.build(config, args.mode, dev, dtype, graphed=graphed,
+                              stash=_stash_config(args.mode, dev), warmup=WARMUP)
+        x, y = training.batches(config, 1, seed=SEED, device=dev, dtype=dtype)[0]
+        report = profile(run_.step, x, y, model=run_.model, optimizer=run_.optimizer,
+                         stash_manager=run_.stash_manager, warmup=WARMUP,
+                         steps=2 if captured else 1, device=dev)
+    if run_.stash_manager is not None and run_.stash_manager.plan():
+        print("\nstash plan (from the warmup measurement):")
+        print(run_.stash_manager.plan_table())
     print()
     print(report.table(top=args.top))
     if args.plot:
         print(f"wrote {report.plot(args.plot)}")
-    if graphed:
-        step.release()
+    run_.release()
     return 0

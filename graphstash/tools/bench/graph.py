@@ -1,4 +1,5 @@
-"""Benchmark of @graph_step: eager step vs graph replay, launch-bound and compute-bound.
+"""``graphstash bench graph``: graph_step against the eager loop, launch-bound and
+compute-bound.
 
 Each configuration times, in the same run: the eager loop (``zero_grad``, forward, backward,
 ``optimizer.step()``), the decorated step (staging, replay, status read), and bare
