@@ -13,6 +13,7 @@ from graphstash._mode import current_step_status, step_status
 from graphstash.models import MoEConfig, MoEModel
 from graphstash.moe import default_status, dispatch
 
+from _grad_checks import projected_loss, projection
 from _moe_data import routing, tokens
 
 
@@ -25,11 +26,17 @@ def _models(capacity_factor: float, seed: int):
     return config, budget, control
 
 
-def _train(model, x, steps_of=None):
+def _projection(config, gen, device="cpu"):
+    """The loss's fixed random projection of the output: it reaches every parameter (the mean
+    square of the final RMSNorm's output would be constant)."""
+    return projection((config.num_tokens, config.hidden), gen, device) / config.num_tokens
+
+
+def _train(model, x, proj, steps_of=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
 
     def step(x):
-        loss = model(x).pow(2).mean()
+        loss = projected_loss(model(x), proj)
         loss.backward()
         return loss
 
@@ -40,12 +47,12 @@ def _train(model, x, steps_of=None):
     return train_step, losses
 
 
-def _eager_control(model, x):
+def _eager_control(model, x, proj):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for xi in x:
         opt.zero_grad(set_to_none=True)
-        loss = model(xi).pow(2).mean()
+        loss = projected_loss(model(xi), proj)
         loss.backward()
         opt.step()
         losses.append(loss.detach())
@@ -61,10 +68,11 @@ def test_moe_model_over_budget_reaches_step_without_wiring(gen, capacity_factor,
                                                                                generator=gen)))
     x = [tokens(config.num_tokens, config.hidden, gen, offset=40 * i) / config.num_tokens
          for i in range(3)]
+    proj = _projection(config, gen)
     module_status = default_status("cpu")
     module_status.zero_()
-    train_step, losses = _train(model, x)
-    want = _eager_control(control, x)
+    train_step, losses = _train(model, x, proj)
+    want = _eager_control(control, x, proj)
     stats = train_step.stats
     assert stats.steps == 3
     assert stats.over_budget == (3 if flagged else 0)
@@ -101,8 +109,9 @@ def test_moe_model_captured_over_budget_reruns_without_wiring(gen, capacity_fact
     model, control = model.cuda(), control.cuda()
     x = [(tokens(config.num_tokens, config.hidden, gen, offset=40 * i) / config.num_tokens).cuda()
          for i in range(5)]
-    train_step, losses = _train(model, x)
-    want = _eager_control(control, x)
+    proj = _projection(config, gen, "cuda")
+    train_step, losses = _train(model, x, proj)
+    want = _eager_control(control, x, proj)
     stats = train_step.stats
     assert stats.captures == 1 and stats.replays == 4, stats
     assert stats.over_budget == (5 if flagged else 0), stats
