@@ -307,7 +307,7 @@ def reads_rows_past_counts(x: torch.Tensor, weight: torch.Tensor) -> bool:
     does (its weight gradient multiplies them by zero, so they must be finite). The native
     grouped GEMM, the Triton one and the per-expert loop touch only the rows inside the
     offsets."""
-    return is_capturing() and _auto(x, weight) == "masked"
+    return (is_capturing() or torch.compiler.is_compiling()) and _auto(x, weight) == "masked"
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
