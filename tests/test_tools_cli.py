@@ -59,7 +59,7 @@ def test_cli_memory_runs_tiny_on_the_cpu(capsys, tmp_path, mode):
     assert rc == 0
     assert "float32 on cpu" in out and "no CUDA graph" in out
     assert "1 layers, hidden 32, ffn 48, 8 experts top-2, 64 tokens" in out
-    assert "reduced" not in out                  # every size came from a flag or fits the CPU
+    assert "(from" not in out.splitlines()[0]    # every size from a flag or fits the CPU
     assert "peak:" in out and "activation peak:" in out and "parameters" in out
     with open(plot, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -75,15 +75,15 @@ def test_memory_header_shows_the_sizes_it_runs():
     """``--layers 4 --tokens 1024`` on the CPU: the header says 4 layers and 1024 tokens (the
     flags win), and the widths it reduced say so in place, with what they were."""
     args = _memory_args("--device", "cpu", "--layers", "4", "--tokens", "1024")
-    config, reduced = memory_command._config(args, on_gpu=False)
+    config, reduced = memory_command.sizes(args, on_gpu=False)
     assert (config.layers, config.num_tokens) == (4, 1024)
     assert reduced == {"hidden": MoEConfig().hidden, "ffn": MoEConfig().ffn}
     line = memory_command.header(args, config, reduced, torch.float32, torch.device("cpu"),
                                  on_gpu=False)
-    assert "4 layers, hidden 64 (reduced from 256 for the CPU), ffn 128 (reduced from 512 " \
-           "for the CPU), 8 experts top-2, 1024 tokens" in line
+    assert ("4 layers, hidden 64 (from 256), ffn 128 (from 512), 8 experts top-2, 1024 tokens"
+            in line) and line.endswith("; (from N): reduced for the CPU")
     for field, value in reduced.items():          # a reduced size is shown beside its value
-        assert f"{getattr(config, field)} (reduced from {value}" in line
+        assert f"{getattr(config, field)} (from {value})" in line
 
 
 # ---- flags: one line naming the flag, before any work ---------------------------------------
@@ -222,4 +222,4 @@ def test_cli_memory_on_the_gpu(capsys, tmp_path):
     out = capsys.readouterr().out
     assert rc == 0 and "CUDA graph capture" in out and "the allocator counts" in out
     assert "stash plan" in out and "lie in CUDA-graph pools" in out
-    assert "2 layers" in out and "2048 tokens" in out and "reduced" not in out
+    assert "2 layers" in out and "2048 tokens" in out and "(from" not in out.splitlines()[0]

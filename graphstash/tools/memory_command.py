@@ -71,8 +71,11 @@ def check_flags(args) -> torch.device:
     return dev
 
 
-def _config(args, on_gpu: bool) -> tuple[MoEConfig, dict]:
-    """The model's sizes and ``{field: size before it was reduced}`` of those reduced."""
+def sizes(args, on_gpu: bool) -> tuple[MoEConfig, dict]:
+    """The model's sizes from the flags: a preset (or ``MoEConfig()``), each size given by a
+    flag taking its value; on the CPU the others capped at :data:`CPU_LIMITS`, on a GPU a
+    preset's depth cut to :data:`GPU_LAYERS` unless ``--layers``. Returns the config and
+    ``{field: size before it was reduced}`` of those reduced (:func:`header` shows both)."""
     config = preset(args.preset) if args.preset else MoEConfig()
     overrides = {field: getattr(args, flag) for flag, field in _FLAGS.items()
                  if getattr(args, flag) is not None}
@@ -107,20 +110,21 @@ def _stash_config(mode: str, dev: torch.device):
 
 
 def header(args, config: MoEConfig, reduced: dict, dtype, dev, on_gpu: bool) -> str:
-    """The first line: every size as it runs, a reduced one with what it was reduced from."""
+    """The first line: every size as it runs; a reduced one with what it was reduced from."""
     def size(field: str, label: str) -> str:
-        value = getattr(config, field)
-        if field not in reduced:
-            return label.format(value)
-        why = "for the CPU" if not on_gpu else "to fit one GPU; --layers to change"
-        return label.format(value) + f" (reduced from {reduced[field]} {why})"
+        text = label.format(getattr(config, field))
+        return text + (f" (from {reduced[field]})" if field in reduced else "")
 
+    why = ""
+    if reduced:
+        why = ("; (from N): reduced for the CPU" if not on_gpu
+               else "; (from N): reduced to fit one GPU, --layers to change")
     return (f"graphstash memory: {args.preset or 'default sizes'}, mode {args.mode}, "
             f"{size('layers', '{} layers')}, {size('hidden', 'hidden {}')}, "
             f"{size('ffn', 'ffn {}')}, {size('num_experts', '{} experts')} "
             f"{size('topk', 'top-{}')}, {size('num_tokens', '{} tokens')}, "
             f"capacity factor {config.capacity_factor}, {str(dtype).replace('torch.', '')} "
-            f"on {dev}")
+            f"on {dev}{why}")
 
 
 def run(args) -> int:
@@ -128,7 +132,7 @@ def run(args) -> int:
     plot)."""
     dev = check_flags(args)
     on_gpu = dev.type == "cuda"
-    config, reduced = _config(args, on_gpu)
+    config, reduced = sizes(args, on_gpu)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     graphed = args.mode != "dropless"
     captured = on_gpu and graphed
