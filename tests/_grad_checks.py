@@ -82,3 +82,10 @@ def max_rel_error(got: dict, want: dict) -> float:
     """The largest ``max |got - want| / max |want|`` over the gradients of ``want``."""
     return max((got[n].double() - w.double()).abs().max().item() / max(max_abs(w), 1e-300)
                for n, w in want.items())
+
+
+def max_norm_rel_error(got: dict, want: dict) -> float:
+    """The largest ``||got - want|| / ||want||`` over the gradients of ``want``: a whole-tensor
+    measure, for comparisons in which single elements may differ by a rounding (bf16)."""
+    return max((got[n].double() - w.double()).norm().item() / max(w.double().norm().item(), 1e-300)
+               for n, w in want.items())
