@@ -22,7 +22,7 @@ def _our_warnings(caught) -> list:
 def test_demo_runs_on_cpu_and_its_loss_falls(capsys):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        results = demo.run(device="cpu", steps=4)
+        results = demo.run(device="cpu", steps=3)
     assert _our_warnings(caught) == []
     assert list(results) == ["dropless", "budget", "stash"]
     for mode in ("budget", "stash"):
