@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from graphstash.bench import moe
-from graphstash.cli import build_parser
+from graphstash.tools.bench import moe
+from graphstash.tools.cli import build_parser
 from graphstash.models import PRESETS, MoEConfig, preset
 
 
@@ -61,11 +61,13 @@ def test_bad_modes_name_the_option():
         moe.modes_from_args(_args("--modes", "graph"))
 
 
-def test_bench_reports_bad_options_before_running(capsys):
-    from graphstash.bench import main
+def test_bench_reports_bad_options_before_running(monkeypatch):
+    from graphstash.tools.bench import main
+    from graphstash.tools.options import FlagError
 
-    assert main(_args("--layers", "0")) == 2          # checked before the GPU is looked for
-    assert "--layers: expected an int > 0, got 0" in capsys.readouterr().out
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)   # checked before the GPU
+    with pytest.raises(FlagError, match="--layers: expected a positive int, got 0"):
+        main(_args("--layers", "0"))
 
 
 def test_moe_config_default_is_plain_experts():

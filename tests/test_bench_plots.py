@@ -15,8 +15,8 @@ DATA = pathlib.Path(__file__).resolve().parent / "data" / "bench_h200.json"
 
 def test_plots_every_suite_of_a_recorded_run(tmp_path):
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib (in the dev extra)")
-    from graphstash.bench import SUITES
-    from graphstash.bench._plots import write
+    from graphstash.tools.bench import SUITES
+    from graphstash.tools.bench.plots import write
 
     results = json.loads(DATA.read_text())
     # The recorded run predates the hf suite: add a result of its shape (one model, its runs).
@@ -34,11 +34,11 @@ def test_plots_every_suite_of_a_recorded_run(tmp_path):
 
 def test_kernel_figure_has_one_bar_per_measured_shape(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib (in the dev extra)")
-    from graphstash.bench import _plots
+    from graphstash.tools.bench import plots
 
     results = json.loads(DATA.read_text())
-    plt = _plots._pyplot()
-    fig = _plots._kernels(results["kernels"], plt)
+    plt = plots.pyplot()
+    fig = plots.kernels_figure(results["kernels"], plt)
     device_ax, host_ax = fig.axes
     n_device = sum(r["tier"] == "device" for r in results["kernels"]["results"])
     n_host = sum(r["tier"] == "host" for r in results["kernels"]["results"])

@@ -11,11 +11,8 @@
 3. **Private names.** No ``_name`` defined in another module is imported
    (``from .experts import _forward``) or read off an imported module
    (``_kernels._import_cupy()``); dunder names (``__version__``) are public.
-4. **Tools use the public API.** The tools (``graphstash/tools/`` and the command-line,
-   demo and benchmark modules it takes over) import no private module of the library.
-
-Violations that other work removes are listed in ``PENDING`` (outside the files of this
-change); the list must shrink to nothing: a listed violation that is gone fails too.
+4. **Tools use the public API.** The tools (``graphstash/tools/``) import no private module
+   of the library.
 """
 from __future__ import annotations
 
@@ -28,19 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("graphstash", "raw_kernels")
-TOOLS = ("graphstash/tools/", "graphstash/cli.py", "graphstash/demo.py",
-         "graphstash/memory_command.py", "graphstash/bench/", "graphstash/models/moe_demo.py")
-
-# Violations in moe/, graph/, models/, the tools and their callers, removed by the work in
-# progress there (issue 25). To be emptied when that work merges; see the module docstring.
-PENDING = {
-    "graphstash/cli.py: reads private name _import_cupy of graphstash._kernels",
-    "graphstash/cli.py: tool imports private module graphstash._backend",
-    "graphstash/cli.py: tool imports private module graphstash._kernels",
-    "graphstash/bench/kernels.py: tool imports private module graphstash._kernels",
-    "graphstash/models/moe_demo.py: tool imports private module graphstash._backend",
-    "graphstash/demo.py: reads private name _pick_device of graphstash.models.moe_demo",
-}
+TOOLS = ("graphstash/tools/",)
 
 
 def layers_block(design: str) -> list[list[str]]:
@@ -186,15 +171,9 @@ def found() -> set[str]:
     return violations()
 
 
-def test_no_new_violations(found):
-    new = sorted(found - PENDING)
-    assert new == [], "import rules broken (see this file's docstring):\n" + "\n".join(new)
-
-
-def test_pending_violations_still_exist(found):
-    """A pending violation that was fixed leaves PENDING too, so the list empties."""
-    gone = sorted(PENDING - found)
-    assert gone == [], "fixed: remove from PENDING:\n" + "\n".join(gone)
+def test_no_violations(found):
+    assert sorted(found) == [], "import rules broken (see this file's docstring):\n" + \
+        "\n".join(sorted(found))
 
 
 def test_readme_draws_the_layers_of_the_design():

@@ -7,7 +7,6 @@ import torch
 
 import graphstash
 from graphstash import _layout as L
-from graphstash import cli
 from graphstash.memory import OWNERS, profile, static_footprint
 from graphstash.models import MoEConfig, MoEModel
 
@@ -205,41 +204,6 @@ def test_profile_and_static_footprint_name_bad_callables_and_models():
         static_footprint(torch.nn.Linear(2, 2), device="no such device")
 
 
-# ---- the command --------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["stash", pytest.param("budget", marks=pytest.mark.slow),
-                                  pytest.param("dropless", marks=pytest.mark.slow)])
-def test_cli_memory_runs_tiny_on_the_cpu(capsys, tmp_path, mode):
-    pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
-    plot = tmp_path / "m.png"
-    rc = cli.main(["memory", "--device", "cpu", "--mode", mode, "--preset", "mixtral-8x7b",
-                   "--layers", "1", "--tokens", "64", "--hidden", "32", "--ffn", "48",
-                   "--plot", str(plot)])
-    out = capsys.readouterr().out
-    assert rc == 0
-    assert "reduced" in out and "float32 on cpu" in out and "no CUDA graph" in out
-    assert "1 layers, hidden 32, ffn 48" in out
-    assert "peak:" in out and "activation peak:" in out and "parameters" in out
-    with open(plot, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    if mode == "stash":
-        assert "stash plan" in out and "stash pool" in out
-
-
-@pytest.mark.parametrize("argv,name", [
-    (["--layers", "0"], "--layers"),
-    (["--capacity-factor", "-1"], "--capacity-factor"),
-    (["--experts", "4", "--topk", "5"], "--topk"),
-    (["--top", "0"], "--top"),
-    (["--mode", "fast"], "--mode"),
-    (["--preset", "gpt-5"], "--preset"),
-])
-def test_cli_memory_names_bad_flags(capsys, argv, name):
-    with pytest.raises(SystemExit) as info:
-        cli.main(["memory", "--device", "cpu"] + argv)
-    assert info.value.code == 2
-    assert name in capsys.readouterr().err
-
-
 # ---- the allocator trace replay and its pairing with storages (pure Python) -----------------
 def test_trace_replay_counts_blocks_from_alloc_to_free_requested(gen):
     from graphstash.memory._allocator import _replay
@@ -416,14 +380,3 @@ def test_cuda_capture_totals_add_up_to_the_peak(mode):
         pool = sum(b.device_bytes for b in manager.buffers.values())
         assert pool <= report.owner_totals["stash pool"] <= pool + (1 << 20)
         manager.release()
-
-
-@pytest.mark.gpu
-def test_cli_memory_on_the_gpu(capsys, tmp_path):
-    pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
-    rc = cli.main(["memory", "--device", "cuda", "--preset", "qwen3-30b-a3b", "--mode",
-                   "stash", "--layers", "2", "--tokens", "2048", "--plot",
-                   str(tmp_path / "m.png")])
-    out = capsys.readouterr().out
-    assert rc == 0 and "CUDA graph capture" in out and "the allocator counts" in out
-    assert "stash plan" in out and "lie in CUDA-graph pools" in out

@@ -12,6 +12,7 @@ from graphstash.moe import (budget_rows, combine, dispatch, expert_mlp,
 from graphstash.moe.experts import grouped_mm_grads
 from graphstash.reference.moe import dense_moe
 
+from _moe_checks import budget_dropless_check, plain_peer_check, stash_budget_check
 from _moe_data import expected_layout, routing, tokens
 
 
@@ -435,20 +436,7 @@ def _model_config(**kw):
 
 @pytest.mark.parametrize("attention", [False, True])
 def test_model_budget_matches_dropless(gen, attention):
-    config = _model_config(attention=attention, seq_len=16)
-    x = tokens(config.num_tokens, config.hidden, gen) / config.num_tokens
-    outs, grads = [], []
-    for mode in ("dropless", "budget"):
-        status = _status()
-        model = MoEModel(config, mode=mode, status=status, seed=3)
-        y = model(x)
-        y.float().pow(2).mean().backward()
-        outs.append(y)
-        grads.append([p.grad for p in model.parameters()])
-        assert int(status[L.SS_OVER_BUDGET]) == 0
-    torch.testing.assert_close(outs[0], outs[1])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b)
+    budget_dropless_check(gen, attention)
 
 
 def test_model_tight_budget_raises_flag(gen):
@@ -462,78 +450,14 @@ def test_model_tight_budget_raises_flag(gen):
 
 
 def test_model_stash_mode_matches_budget(gen):
-    gen.manual_seed(1)
-    stash = pytest.importorskip("graphstash.stash", reason="graphstash.stash is not available")
-    config = _model_config(hidden=64, ffn=64)
-    results = []
-    for mode in ("budget", "stash"):
-        manager = None
-        if mode == "stash":
-            manager = stash.StashManager(stash.StashConfig(min_tensor_bytes=0,
-                                                           initial_tokens=4096),
-                                         device=torch.device("cpu"))
-        model = MoEModel(config, mode=mode, stash_manager=manager, seed=5)
-        per_step = []
-        for step in range(2):                 # the second step runs on measured sizes
-            x = tokens(config.num_tokens, config.hidden, gen) / (step + 1) / config.num_tokens
-            if manager is not None:
-                manager.begin_step()
-                with manager:
-                    y = model(x)
-                    y.pow(2).mean().backward()
-                manager.end_step()
-                assert not manager.read_status()["overflow"]
-            else:
-                y = model(x)
-                y.pow(2).mean().backward()
-            per_step.append((y.detach(), [p.grad.clone() for p in model.parameters()]))
-            model.zero_grad(set_to_none=True)
-        results.append(per_step)
-        gen.manual_seed(1)                    # same inputs for both modes
-    for (ya, ga), (yb, gb) in zip(*results):
-        torch.testing.assert_close(ya, yb)
-        for a, b in zip(ga, gb):
-            torch.testing.assert_close(a, b)
+    pytest.importorskip("graphstash.stash", reason="graphstash.stash is not available")
+    stash_budget_check(gen)
 
 
-def test_moe_demo_runs_on_cpu(capsys):
-    from graphstash.models import moe_demo as demo
-
-    results = demo.run(device="cpu", steps=3)
-    assert list(results) == ["dropless", "budget", "stash"]
-    for mode in ("budget", "stash"):
-        torch.testing.assert_close(torch.tensor(results[mode]["losses"]),
-                                   torch.tensor(results["dropless"]["losses"]))
-    used, spilled, pool = results["stash"]["pages"]
-    assert 0 < used <= pool
-    out = capsys.readouterr().out
-    assert "no CUDA GPU in use" in out and "eager + budget + stash" in out
-    assert "pages peak/pool" in out
-
-
-def test_cli_demo_modes_on_cpu(capsys):
-    from graphstash import cli
-
-    assert cli.main(["demo", "--device", "cpu", "--steps", "2", "--mode", "stash"]) == 0
-    assert "eager + budget + stash" in capsys.readouterr().out
-    assert cli.main(["demo", "--device", "cpu", "--steps", "2", "--mode", "paging"]) == 0
-    assert "rows checked byte for byte" in capsys.readouterr().out
-
-
+@pytest.mark.parametrize("mode", ["dropless", "budget"])
 @pytest.mark.parametrize("gated", [False, True])
-def test_plain_peer_matches_dropless(gen, gated):
+def test_plain_peer_matches_dropless(gen, gated, mode):
     """The peer (plain PyTorch: sort, histc, grouped GEMM over T*K rows, index_add_) computes
-    the same layer as graphstash's dropless dispatch: outputs and every gradient."""
-    config = MoEConfig(hidden=16, ffn=24, num_experts=4, topk=2, layers=2, num_tokens=40,
-                       gated=gated)
-    x = tokens(40, 16, gen)
-    out, grads = {}, {}
-    for mode in ("plain", "dropless"):
-        model = MoEModel(config, mode=mode, seed=7)
-        xi = x.clone().requires_grad_()
-        out[mode] = model(xi)
-        out[mode].pow(2).mean().backward()
-        grads[mode] = [xi.grad] + [p.grad for p in model.parameters()]
-    torch.testing.assert_close(out["plain"], out["dropless"], rtol=1e-5, atol=1e-6)
-    for a, b in zip(grads["plain"], grads["dropless"]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    the same layer as graphstash's dispatch, dropless and with a budget: outputs and every
+    gradient, under a loss that reaches every parameter."""
+    plain_peer_check(gen, gated, mode)

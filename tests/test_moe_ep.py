@@ -9,8 +9,11 @@ kernels, and also captures the step in a CUDA graph and replays it with changing
 """
 from __future__ import annotations
 
+import datetime
 import os
 import socket
+import time
+import traceback
 
 import pytest
 import torch
@@ -18,12 +21,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphstash import _layout as L
-from graphstash.bench._timing import capture_with_output
+from graphstash.tools.bench.timing import capture_with_output
 from graphstash.moe import budget_rows, combine, dispatch, grouped_mm
 
+from _faults import exchange_fault
+from _grad_checks import assert_far_from_zero, projected_loss, projection
 from _moe_data import routing, tokens
 
 T, H, E, K, WORLD = 48, 16, 4, 2, 2
+TIMEOUT = datetime.timedelta(seconds=120)   # a rank that never arrives fails the others
 
 
 def _free_port() -> int:
@@ -75,6 +81,8 @@ def _reference(seed, device, dtype, skew=None):
 def _check_rank(rank, seed, device, dtype, out, x, w, w1_local, tol, skew=None):
     outs, gxs, gws, gw1 = _reference(seed, device, dtype, skew)
     E_l = E // WORLD
+    assert_far_from_zero({"x": gxs[rank], "w": gws[rank],
+                          "w1": gw1[rank * E_l:(rank + 1) * E_l]})
     torch.testing.assert_close(out.detach(), outs[rank], **tol)
     torch.testing.assert_close(x.grad, gxs[rank], **tol)
     torch.testing.assert_close(w.grad, gws[rank], **tol)
@@ -136,41 +144,76 @@ def _plain_case(rank, device, dtype, group, tol):
 def _exchange_buffers_case(rank, device, dtype, group):
     """The send and receive buffers of the all-to-all are temporaries of their layer: none is
     alive when the next layer exchanges, none is kept for backward (a budget-mode model of
-    three gated layers, chunks at twice the average rows per rank)."""
+    three gated layers, chunks at twice the average rows per rank).
+
+    NOTE [deterministic exchange accounting]: the collective itself runs on copies of the
+    buffers, so the process group's own references (released by its threads at a time that
+    depends on the other rank) never reach the buffers counted here; the cyclic garbage
+    collector is off, so a buffer dies exactly when its last reference goes (one held by a
+    reference cycle counts as alive, whenever the collector would run); every tensor autograd
+    saves is checked against the live buffers when it is saved. Nothing depends on timing."""
     import gc
     import weakref
 
     from graphstash.models import MoEConfig, MoEModel
-    from graphstash.moe import _dispatch
 
     config = MoEConfig(hidden=H, ffn=12, num_experts=E, topk=K, layers=3, num_tokens=T,
                        capacity_factor=2.0, chunk_factor=2.0, gated=True)
     model = MoEModel(config, mode="budget", group=group, seed=5, device=device, dtype=dtype)
-    x = tokens(T, H, torch.Generator().manual_seed(50 + rank), dtype).to(device)
-    buffers, alive_at_call = [], []
-    original = _dispatch._all_to_all
+    gen = torch.Generator().manual_seed(50 + rank)
+    x = tokens(T, H, gen, dtype).to(device) / T
+    proj = projection((T, H), gen, device)
+    buffers, alive_at_call, kept = [], [], []
+    real = dist.all_to_all_single
 
-    def recording(src, grp):
-        gc.collect()
-        alive_at_call.append(sum(r() is not None for r in buffers))
-        out = original(src, grp)
-        buffers.extend((weakref.ref(src), weakref.ref(out)))
-        return out
+    def alive():
+        return [b for b in (r() for r in buffers) if b is not None]
 
-    _dispatch._all_to_all = recording
-    try:
-        out = model(x)
-        gc.collect()
-        after_forward = sum(r() is not None for r in buffers)
-        out.float().pow(2).mean().backward()
-    finally:
-        _dispatch._all_to_all = original
+    def accounting(output, input, *args, **kwargs):
+        alive_at_call.append(len(alive()))
+        received, sent = torch.empty_like(output), input.clone()
+        work = real(received, sent, *args, **kwargs)
+        if work is not None:
+            work.wait()
+        output.copy_(received)
+        buffers.extend((weakref.ref(input), weakref.ref(output)))
+        return work
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and any(b.untyped_storage().data_ptr() == ptr for b in alive()):
+            kept.append(tuple(t.shape))
+        return t
+
+    gc_was_enabled = gc.isenabled()
     gc.collect()
+    gc.disable()
+    dist.all_to_all_single = accounting
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x)
+            after_forward = len(alive())
+            projected_loss(out, proj).backward()
+        del out
+        after_backward = len(alive())
+    finally:
+        dist.all_to_all_single = real
+        if gc_was_enabled:
+            gc.enable()
     # dispatch and combine of each layer, forward and backward, plus the router weights
     assert len(buffers) >= 2 * 2 * 2 * config.layers
-    assert max(alive_at_call) == 0, alive_at_call
-    assert after_forward == 0
-    assert all(r() is None for r in buffers)
+    assert alive_at_call == [0] * len(alive_at_call), alive_at_call
+    assert after_forward == 0 and after_backward == 0
+    assert kept == [], kept
+
+
+def _wrong_exchange_case(rank, device, dtype, group, budget, tol):
+    """The expert-parallel check fails when the exchange's backward is wrong: the rows the
+    all-to-all brings back in backward scaled by 1.25 (a test-only fault, ``_faults.py``)."""
+    with exchange_fault() as fault:
+        with pytest.raises(AssertionError):
+            _eager_case(rank, device, torch.float32, group, budget, 4, tol, seed=11)
+    assert fault.hits > 0, "the exchange fault never fired"
 
 
 def _bad_input_case(device, dtype, group):
@@ -180,12 +223,23 @@ def _bad_input_case(device, dtype, group):
 
 
 def _worker(rank, port, backend, results_dir):
+    """Run every case on ``rank``; its own error (traceback) goes to ``rank{rank}.err`` in
+    ``results_dir`` (NOTE [the failing rank's own error])."""
+    try:
+        _run_cases(rank, port, backend)
+    except BaseException:
+        with open(os.path.join(results_dir, f"rank{rank}.err"), "w") as f:
+            f.write(f"{time.monotonic_ns()}\n{traceback.format_exc()}")
+        raise
+
+
+def _run_cases(rank, port, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     on_gpu = backend == "nccl"
     if on_gpu:
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
-    dist.init_process_group(backend, rank=rank, world_size=WORLD,
+    dist.init_process_group(backend, rank=rank, world_size=WORLD, timeout=TIMEOUT,
                             device_id=device if on_gpu else None)
     group = dist.group.WORLD
     tol = dict(rtol=1e-5, atol=1e-5)
@@ -198,6 +252,7 @@ def _worker(rank, port, backend, results_dir):
         _over_budget_case(rank, device, torch.float32, group)
         _plain_case(rank, device, torch.float32, group, tol)
         _exchange_buffers_case(rank, device, torch.float32, group)
+        _wrong_exchange_case(rank, device, torch.float32, group, budget, tol)
         _bad_input_case(device, torch.float32, group)
         if on_gpu:
             _graph_case(rank, device, group, tol)
@@ -243,11 +298,37 @@ def _graph_case(rank, device, group, tol, scaled=False):
         _check_rank(rank, seed, device, dtype, static_out, static_x, static_w, w1, tol)
 
 
+# NOTE [the failing rank's own error]: when one rank fails, the others see only that it went
+# away ("Connection closed by peer") in their next collective, and mp.spawn reports whichever
+# process it noticed first. Every rank writes its own traceback, stamped with a monotonic
+# clock, and the test reports the first one that is not a lost connection, then the others.
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "Socket closed", "NCCL communicator was aborted")
+
+
+def _rank_errors(directory) -> str:
+    errors = []
+    for rank in range(WORLD):
+        path = os.path.join(directory, f"rank{rank}.err")
+        if os.path.exists(path):
+            with open(path) as f:
+                stamp, text = f.read().split("\n", 1)
+            errors.append((any(s in text for s in _LOST_PEER), int(stamp), rank, text))
+    errors.sort()
+    return "\n".join(f"rank {rank}{' (first)' if i == 0 else ''}:\n{text}"
+                     for i, (_, _, rank, text) in enumerate(errors))
+
+
 def _spawn(backend):
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(_free_port(), backend, tmp), nprocs=WORLD, join=True)
+        try:
+            mp.spawn(_worker, args=(_free_port(), backend, tmp), nprocs=WORLD, join=True)
+        except mp.ProcessRaisedException as exc:
+            raise AssertionError(_rank_errors(tmp) or str(exc)) from None
+        except mp.ProcessExitedException as exc:
+            raise AssertionError(_rank_errors(tmp) or str(exc)) from None
 
 
 def test_expert_parallel_gloo_matches_reference():

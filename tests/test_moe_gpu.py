@@ -10,11 +10,14 @@ import pytest
 import torch
 
 from graphstash import _layout as L
-from graphstash.bench._timing import capture_with_output
+from graphstash.tools.bench.timing import capture_with_output
 from graphstash.models import MoEConfig, MoEModel
 from graphstash.moe import (budget_rows, combine, dispatch, expert_mlp,
                             grouped_mm)
 
+from _faults import kernel_fault
+from _grad_checks import (assert_far_from_zero, assert_grads_close, named_grads, projected_loss,
+                          projection)
 from _moe_data import routing, tokens
 
 pytestmark = pytest.mark.gpu
@@ -278,30 +281,35 @@ def test_grouped_mm_captured_matches_loop(gen, dtype):
         torch.testing.assert_close(static_w.grad, wr.grad, **tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_model_graph_step_matches_eager(gen, dtype):
-    """bf16 (what the benchmark and the demo measure) and float32 (grouped_mm's Triton kernel
-    or, without Triton, its masked fallback): a captured budget step against an eager dropless
-    control."""
+def _graph_vs_eager(gen, dtype, fault=None) -> None:
+    """A captured budget step (forward, backward, SGD) against an eager dropless control from
+    the same state, over four replays with new inputs: the loss, every parameter's gradient
+    (within 2e-2 of its largest magnitude in bf16, 1e-4 in float32; the eager ones far from
+    zero) and the parameters after the update. The loss is a fixed random projection of the
+    output (it reaches every parameter). ``fault``: armed during the warmup and the capture
+    only (the graph side)."""
     config = MoEConfig(hidden=128, ffn=256, num_experts=8, topk=2, layers=3, num_tokens=512,
                        capacity_factor=2.0, pad_multiple=8)
     status = _status("cuda")
     graphed = MoEModel(config, mode="budget", status=status, seed=1).to("cuda", dtype)
     eager = MoEModel(config, mode="dropless", seed=1).to("cuda", dtype)
     eager.load_state_dict(graphed.state_dict())
-    opt_g = torch.optim.SGD(graphed.parameters(), lr=0.1)
-    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt_g = torch.optim.SGD(graphed.parameters(), lr=1e-3)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=1e-3)
     static_x = torch.zeros(config.num_tokens, config.hidden, device="cuda", dtype=dtype)
+    proj = projection((config.num_tokens, config.hidden), gen, "cuda")
     # bf16: the same kernels on the same groups, but an update that rounds a gradient
     # differently moves a parameter by one bf16 ulp (2**-8 relative).
     tol = dict(rtol=2e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    rel = 2e-2 if dtype == torch.bfloat16 else 1e-4
 
     def step():
         opt_g.zero_grad(set_to_none=True)
-        loss = graphed(static_x).float().pow(2).mean()
+        loss = projected_loss(graphed(static_x), proj)
         loss.backward()
+        grads = [p.grad for p in graphed.parameters()]
         opt_g.step()
-        return loss.detach()
+        return loss.detach(), grads
 
     static_x.copy_(tokens(config.num_tokens, config.hidden, gen).cuda() / config.num_tokens)
 
@@ -309,20 +317,46 @@ def test_model_graph_step_matches_eager(gen, dtype):
         eager.load_state_dict(graphed.state_dict())
         opt_g.zero_grad(set_to_none=True)
 
-    graph, static_loss = capture_with_output(step, before_capture=before_capture)
+    if fault is not None:
+        fault.armed = True
+    graph, (static_loss, static_grads) = capture_with_output(step, before_capture=before_capture)
+    if fault is not None:
+        fault.armed = False
     eager.load_state_dict(graphed.state_dict())   # the capture ran no update
+    names = [name for name, _ in graphed.named_parameters()]
     for i in range(4):
         x = (torch.rand(config.num_tokens, config.hidden, generator=gen) + i).to("cuda", dtype)
         static_x.copy_(x)
         graph.replay()
         opt_e.zero_grad(set_to_none=True)
-        loss = eager(x).float().pow(2).mean()
+        loss = projected_loss(eager(x), proj)
         loss.backward()
+        want = named_grads(eager)
         opt_e.step()
-        torch.testing.assert_close(static_loss, loss.detach(), **tol)
+        torch.testing.assert_close(static_loss, loss.detach(), rtol=rel, atol=rel)
+        assert_grads_close(dict(zip(names, static_grads)), want, rel=rel)
         for a, b in zip(graphed.parameters(), eager.parameters()):
             torch.testing.assert_close(a, b, **tol)
     assert int(status[L.SS_OVER_BUDGET]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_model_graph_step_matches_eager(gen, dtype):
+    """bf16 (what the benchmark and the demo measure) and float32 (grouped_mm's Triton kernel
+    or, without Triton, its masked fallback): a captured budget step against an eager dropless
+    control."""
+    _graph_vs_eager(gen, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_graph_vs_eager_check_fails_on_a_wrong_captured_backward(gen, dtype):
+    """The check above fails when the captured step's expert backward is wrong (a test-only
+    fault, armed during the capture only: the graph replays it, the eager control does not)."""
+    with kernel_fault("act_backward", scale=1.25) as fault:
+        fault.armed = False
+        with pytest.raises(AssertionError):
+            _graph_vs_eager(gen, dtype, fault=fault)
+    assert fault.hits > 0
 
 
 def _poison_free_memory(mib: int = 256):
@@ -356,19 +390,21 @@ def test_model_stash_mode_gradients_equal_budget_mode(gen, dtype):
     for m in models.values():
         m.to("cuda", dtype)
     static_x = torch.empty(config.num_tokens, config.hidden, device="cuda", dtype=dtype)
+    proj = projection((config.num_tokens, config.hidden), gen, "cuda")
 
     def step(mode):
         model = models[mode]
         model.zero_grad(set_to_none=False)
         if mode == "stash":
             manager.begin_step()
-        loss = model(static_x).float().pow(2).mean()
+        loss = projected_loss(model(static_x), proj)
         loss.backward()
         if mode == "stash":
             manager.end_step()
         return [loss.detach()] + [p.grad for p in model.parameters()]
 
     def check(got, want):
+        assert_far_from_zero({f"grad {i}": g for i, g in enumerate(want[1:])})
         for i, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), f"output {i}: max difference {(a - b).abs().max()}"
 

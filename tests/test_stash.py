@@ -11,7 +11,7 @@ import torch
 import graphstash
 from graphstash import (CaptureError, ReleasedError, SavedTensorsError, StaleHandleError,
                         StashOverflowError)
-from graphstash.bench.stash import ExpertStack, make_inputs
+from graphstash.tools.bench.stash import ExpertStack, make_inputs
 from graphstash.stash import (StashConfig, StashManager, current_manager,
                               stash_activations)
 
@@ -478,14 +478,9 @@ def test_zero_tail_and_copy_blocks_reach_the_buffers(monkeypatch, gen):
 
         monkeypatch.setattr(PagedStashBuffer, "stash", stash)
         monkeypatch.setattr(PagedStashBuffer, "reload", reload)
-        real_context = stash_activations
-
-        class NoZeroTail(real_context):
-            def __init__(self, *a, **kw):
-                super().__init__(*a, zero_tail=False, **kw)
-
-        monkeypatch.setattr("graphstash.bench.stash.stash_activations", NoZeroTail)
+        model.zero_tail = False
         _run(model, inputs, counts, [("F", 0, 0), ("B", 0, 0)], 1, manager)
+        model.zero_tail = True
         monkeypatch.undo()
         assert {k for k, _ in calls} == {"stash", "reload"}
         assert all(kw["max_blocks"] == expected for _, kw in calls)

@@ -11,8 +11,8 @@ import torch
 
 import graphstash
 from graphstash import CaptureError
-from graphstash.bench._timing import capture_with_output
-from graphstash.bench.stash import ExpertStack, _config_run, _sized_peak, make_inputs
+from graphstash.tools.bench.timing import capture_with_output
+from graphstash.tools.bench.stash import ExpertStack, config_run, sized_peak, make_inputs
 from graphstash.stash import StashConfig, StashManager, stash_activations
 
 from _schedule import one_f_one_b, run_schedule
@@ -176,7 +176,7 @@ def test_memory_8_layers_budget_twice_live(capsys):
     follows its forward) and the last layer's tensors at budget size: 4.85A + T, a ratio of
     at least 0.606 whatever T is."""
     layers, budget, hidden, ffn = 8, 8192, 1024, 4096
-    _, res = _config_run("memory", layers, budget, hidden, ffn, iters=3, graphs=False,
+    _, res = config_run("memory", layers, budget, hidden, ffn, iters=3, graphs=False,
                          device=_device(), profile_overlap=False)
     mib = 1 / 2**20
     ratio = res["peak_stash"] / res["peak_plain"]
@@ -209,7 +209,7 @@ def test_after_release_prefetch_lowers_the_peak(gen):
               for _ in range(layers)]
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    peaks = {point: _sized_peak(model, x, counts, _device(), StashConfig(prefetch=point))
+    peaks = {point: sized_peak(model, x, counts, _device(), StashConfig(prefetch=point))
              for point in ("at_last_unpack", "after_release")}
     group_bytes = budget * (hidden + 2 * ffn) * 2        # one layer's saved tensors
     assert peaks["after_release"] <= peaks["at_last_unpack"] - group_bytes // 4, peaks
@@ -217,7 +217,7 @@ def test_after_release_prefetch_lowers_the_peak(gen):
 
 def test_steady_state_step_time_and_overlap_compute_heavy(capsys):
     # the benchmark's compute-heavy configuration (graphstash bench stash)
-    _, res = _config_run("compute-heavy", 8, 8192, 4096, 16384, iters=5, graphs=True,
+    _, res = config_run("compute-heavy", 8, 8192, 4096, 16384, iters=5, graphs=True,
                          device=_device())
     with capsys.disabled():
         print(f"\nstep ms eager plain {res['time_plain_ms']:.2f} stash {res['time_stash_ms']:.2f}; "

@@ -17,6 +17,7 @@ from graphstash.moe import budget_rows, default_status, dispatch
 from graphstash.stash import StashConfig, StashManager
 from graphstash.status import StepStatus, check_status, current
 
+from _grad_checks import projected_loss, projection
 from _moe_data import routing, tokens
 
 
@@ -29,16 +30,17 @@ def _models(capacity_factor: float, seed: int):
     return config, budget, control
 
 
-def _projection(config, gen):
-    """A fixed random projection of the output: a loss that reaches every parameter."""
-    return torch.randn(config.num_tokens, config.hidden, generator=gen)
+def _projection(config, gen, device="cpu"):
+    """The loss's fixed random projection of the output: it reaches every parameter (the mean
+    square of the final RMSNorm's output would be constant)."""
+    return projection((config.num_tokens, config.hidden), gen, device) / config.num_tokens
 
 
-def _train(model, x, proj):
+def _train(model, x, proj, steps_of=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
 
     def step(x):
-        loss = (model(x).float() * proj).sum()
+        loss = projected_loss(model(x), proj)
         loss.backward()
         return loss
 
@@ -54,7 +56,7 @@ def _eager_control(model, x, proj):
     losses = []
     for xi in x:
         opt.zero_grad(set_to_none=True)
-        loss = (model(xi).float() * proj.to(xi.device)).sum()
+        loss = projected_loss(model(xi), proj)
         loss.backward()
         opt.step()
         losses.append(loss.detach())
@@ -281,7 +283,7 @@ def test_moe_model_captured_over_budget_reruns_without_wiring(gen, capacity_fact
     model, control = model.cuda(), control.cuda()
     x = [(tokens(config.num_tokens, config.hidden, gen, offset=40 * i) / config.num_tokens).cuda()
          for i in range(5)]
-    proj = _projection(config, gen).cuda()
+    proj = _projection(config, gen, "cuda")
     train_step, losses = _train(model, x, proj)
     want = _eager_control(control, x, proj)
     stats = train_step.stats

@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from graphstash.bench._timing import capture, time_calls, time_replays
+from graphstash.tools.bench.timing import capture, time_calls, time_replays
 from graphstash.models import preset
 from graphstash.moe import _triton_grouped as tg
 

@@ -61,7 +61,7 @@ def main() -> None:
     if args.preset in PRESETS:
         config = preset(args.preset, layers=args.layers, num_tokens=args.tokens)
     else:
-        from graphstash.bench.moe import CONFIGS
+        from graphstash.tools.bench.moe import CONFIGS
 
         config = dataclasses.replace(CONFIGS[args.preset], layers=args.layers,
                                      num_tokens=args.tokens)

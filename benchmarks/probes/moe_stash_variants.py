@@ -1,6 +1,6 @@
 """Step time and peak memory of the MoE benchmark's graph + stash mode under stash variants.
 
-Runs a configuration of ``graphstash.bench.moe`` (one GPU) in modes "eager dropless" and
+Runs a configuration of ``graphstash.tools.bench.moe`` (one GPU) in modes "eager dropless" and
 "graph + budget" once, then "graph + budget + stash" with each combination of
 ``StashConfig.copy_blocks``, ``StashConfig.device_factor`` and ``StashConfig.prefetch`` given,
 all in one process, and prints one line per run with its ratios to the two baselines. Sizes
@@ -18,8 +18,8 @@ import itertools
 
 import torch
 
-import graphstash
-from graphstash.bench import moe as bench
+from graphstash.tools import training
+from graphstash.tools.bench import moe as bench
 from graphstash.stash.config import PREFETCH_POINTS
 
 
@@ -40,40 +40,30 @@ def main(argv=None) -> None:
              (("tokens", "num_tokens"), ("layers", "layers"), ("hidden", "hidden"),
               ("ffn", "ffn"), ("experts", "num_experts")) if getattr(args, size) is not None}
     config = dataclasses.replace(bench.CONFIGS[args.config], **sizes)
-    gen = torch.Generator().manual_seed(1234)
-    batches = [torch.randn(config.num_tokens, config.hidden, generator=gen)
-               .to(device=device, dtype=torch.bfloat16) for _ in range(4)]
+    batches = training.batches(config, 4, seed=1234, device=device, dtype=torch.bfloat16)
     print(f"{args.config} on {torch.cuda.get_device_name(device)}: {config}", flush=True)
     eager = None
     if not args.skip_eager:
-        eager = bench._run_mode("eager dropless", config, None, device, batches, 5)
+        eager = bench.run_mode("eager dropless", config, None, device, batches, 5)
         print(f"eager dropless: {eager['step_ms']:.2f} ms, {eager['peak_mib']:.0f} MiB, "
               f"activations {eager['activation_peak_mib']:.0f} MiB", flush=True)
-    base = bench._run_mode("graph + budget", config, None, device, batches, args.steps)
+    base = bench.run_mode("graph + budget", config, None, device, batches, args.steps)
     print(f"graph + budget: {base['step_ms']:.2f} ms, {base['peak_mib']:.0f} MiB, "
           f"activations {base['activation_peak_mib']:.0f} MiB", flush=True)
-    original = graphstash.StashConfig
-    try:
-        for blocks, factor, prefetch in itertools.product(args.copy_blocks, args.device_factor,
-                                                          args.prefetch):
-            def variant(*a, _blocks=blocks, _factor=factor, _prefetch=prefetch, **k):
-                k["device_factor"] = _factor
-                k["prefetch"] = _prefetch
-                if _blocks >= 0:
-                    k["copy_blocks"] = _blocks
-                return original(*a, **k)
-            graphstash.StashConfig = variant   # the bench builds its config through this name
-            r = bench._run_mode("graph + budget + stash", config, None, device, batches,
-                                args.steps)
-            vs_eager = f", {r['peak_mib'] / eager['peak_mib']:.3f}x eager" if eager else ""
-            print(f"stash copy_blocks={blocks:<4} device_factor={factor:.2f} prefetch="
-                  f"{prefetch:<15}: {r['step_ms']:.2f} ms ({r['step_ms'] / base['step_ms']:.3f}x)"
-                  f", {r['peak_mib']:.0f} MiB ({r['peak_mib'] / base['peak_mib']:.3f}x graph"
-                  f"{vs_eager}), activations {r['activation_peak_mib']:.0f} MiB, overflow="
-                  f"{r['overflow']}, reruns={r['reruns']}", flush=True)
-    finally:
-        graphstash.StashConfig = original
-
+    default = bench.stash_config(device)
+    for blocks, factor, prefetch in itertools.product(args.copy_blocks, args.device_factor,
+                                                      args.prefetch):
+        changes = {"device_factor": factor, "prefetch": prefetch}
+        if blocks >= 0:
+            changes["copy_blocks"] = blocks
+        r = bench.run_mode("graph + budget + stash", config, None, device, batches, args.steps,
+                           stash=dataclasses.replace(default, **changes))
+        vs_eager = f", {r['peak_mib'] / eager['peak_mib']:.3f}x eager" if eager else ""
+        print(f"stash copy_blocks={blocks:<4} device_factor={factor:.2f} prefetch="
+              f"{prefetch:<15}: {r['step_ms']:.2f} ms ({r['step_ms'] / base['step_ms']:.3f}x)"
+              f", {r['peak_mib']:.0f} MiB ({r['peak_mib'] / base['peak_mib']:.3f}x graph"
+              f"{vs_eager}), activations {r['activation_peak_mib']:.0f} MiB, overflow="
+              f"{r['overflow']}, reruns={r['reruns']}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from graphstash.bench._timing import event_ms
+from graphstash.tools.bench.timing import event_ms
 
 from _copy_kernels import module as _module
 

@@ -133,7 +133,7 @@ def profile(step_fn: Callable, *args, model=None, optimizer=None, stash_manager=
     recorder = StorageRecorder(dev, root=model)
     allocator = AllocatorRecorder(dev, max_entries) if on_cuda else None
     held = []                                    # the graph and its static outputs
-    # As NOTE [measuring peaks] in graphstash.bench.stash: collect garbage first and keep the
+    # As NOTE [measuring peaks] in graphstash.tools.bench.stash: collect garbage first and keep the
     # cyclic collector off, so nothing unrelated is freed in the middle of the step.
     gc.collect()
     gc_was_enabled = gc.isenabled()

@@ -82,9 +82,12 @@ class StashPlan:
                 cost = max(cost, budget)
         policy = config.policy
         stash = policy == "always" or (policy == "auto" and saving > cost)
-        if policy == "auto":
+        if policy == "auto" and saving >= 0:
             why = (f"saves {saving / 2**20:.1f} MiB of budget rows, costs {cost / 2**20:.1f} "
                    "MiB for a reload")
+        elif policy == "auto":          # the pool would hold more than the rows it frees
+            why = (f"its pool costs {-saving / 2**20:.1f} MiB more than the budget rows it "
+                   f"frees, and {cost / 2**20:.1f} MiB for a reload")
         else:
             why = f"policy={policy!r}"
         for r in rows:

@@ -101,7 +101,7 @@ def _run(c: HFBenchConfig, run: str, device, data: list) -> dict:
     import graphstash
     import graphstash.integrations.transformers as gst
 
-    from ._timing import eager_training_step
+    from .timing import eager_training_step
 
     torch.cuda.synchronize()
     gc.collect()
@@ -160,7 +160,7 @@ def _max_rel_diff(losses: list, reference: list) -> float:
 
 def run(quick: bool = False) -> dict:
     """Run every configuration; print one table per model; return the numbers."""
-    from ._timing import gpu_name, print_table
+    from .timing import gpu_name, print_table
 
     device = torch.device("cuda", torch.cuda.current_device())
     import graphstash.integrations.transformers as gst

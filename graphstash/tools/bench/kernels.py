@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from ..paging import PagedStashBuffer
-from ._timing import capture, event_ms, gpu_name, print_table, time_replays
+from ...paging import PagedStashBuffer
+from .timing import capture, event_ms, gpu_name, print_table, time_replays
 
 ITERS = 5   # stash + reload pairs per graph replay
 
@@ -103,7 +103,7 @@ def _host_time_per_call(calls: int = 300) -> dict:
 
 
 def run(quick: bool = False) -> dict:
-    from .. import warmup
+    from ... import warmup
 
     warmup()
     headline = [("device", torch.bfloat16, 4096, 16384, 0.7), ("host", torch.bfloat16, 4096, 16384, 0.7),
@@ -125,13 +125,14 @@ def run(quick: bool = False) -> dict:
     rows = [[r["tier"], r["dtype"], r["hidden"], r["rows"], r["live"], r["live_mib"], r["torch_ms"],
              r["graphstash_ms"], r["torch_gbs"], r["graphstash_gbs"], r["ratio"]] for r in results]
     host = _host_time_per_call()
-    from .. import _kernels
+    from ... import runtime
 
-    dev = torch.cuda.current_device()
-    print(f"\nkernel tunables: threads {_kernels.THREADS}, unroll {_kernels.UNROLL}, streaming "
-          f"{_kernels.STREAMING}, min blocks {_kernels.MIN_BLOCKS}; persistent grid "
-          f"{_kernels.resident_blocks(dev, 'paged_stash', 'gs_stash_v16')} blocks (stash), "
-          f"{_kernels.resident_blocks(dev, 'paged_stash', 'gs_reload_v16')} (reload)")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    t = runtime.kernel_tunables()
+    print(f"\nkernel tunables: threads {t['threads']}, unroll {t['unroll']}, streaming "
+          f"{t['streaming']}, min blocks {t['min_blocks']}; persistent grid "
+          f"{runtime.resident_blocks(dev, 'paged_stash', 'gs_stash_v16')} blocks (stash), "
+          f"{runtime.resident_blocks(dev, 'paged_stash', 'gs_reload_v16')} (reload)")
     print_table(f"stash + reload vs torch copy of the same live bytes on {gpu_name()} "
                 f"(ratio = torch time / graphstash time)", cols, rows)
     for r in results:

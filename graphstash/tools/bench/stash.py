@@ -7,8 +7,8 @@ version (each layer computes on its live rows only, what a dropless eager step w
 It reports peak memory of the step's activations, step time (eagerly and replayed from a
 CUDA graph) and, from CUDA events, how much of the stash/reload copy time ran beside compute.
 
-The model is also what ``tests/test_stash*.py`` run (their pipeline schedules live in
-``tests/_schedule.py``).
+:class:`ExpertStack`, :func:`make_inputs`, :func:`config_run` and :func:`sized_peak` are public:
+the stash tests run them too.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..stash import StashConfig, StashManager, stash_activations
-from ._timing import capture, time_calls, time_calls_interleaved, time_replays_interleaved
+from ...stash import StashConfig, StashManager, stash_activations
+from .timing import capture, time_calls, time_calls_interleaved, time_replays_interleaved
 
 
 class ExpertStack(torch.nn.Module):
@@ -27,12 +27,21 @@ class ExpertStack(torch.nn.Module):
 
     ``x`` is ``[budget, hidden]`` (or ``[S, cap, hidden]`` with ``segments=S``, one expert per
     segment); ``mask_l`` keeps rows ``[0, n_l)`` (of each segment), ``n_l`` a device count.
+    ``zero_tail`` is passed to :func:`graphstash.stash_activations` when a manager stashes
+    the layers (False: reloads leave the rows past the count unwritten). The benchmark runs it,
+    and so do the stash tests (their pipeline schedules are in ``tests/_schedule.py``).
+    Example::
+
+        model = ExpertStack(4, 64, 128, device="cuda", dtype=torch.bfloat16)
+        out = model(x, counts, manager=manager)     # x: [budget, 64]; counts[l]: int32 (1,)
     """
 
     def __init__(self, layers: int, hidden: int, ffn: int, *, segments: int = 1,
-                 dtype=torch.float32, device="cpu", generator: torch.Generator | None = None):
+                 dtype=torch.float32, device="cpu", generator: torch.Generator | None = None,
+                 zero_tail: bool = True):
         super().__init__()
         self.segments = segments
+        self.zero_tail = zero_tail
         shape1 = (hidden, ffn) if segments == 1 else (segments, hidden, ffn)
         shape2 = (ffn, hidden) if segments == 1 else (segments, ffn, hidden)
         bias = (ffn,) if segments == 1 else (segments, 1, ffn)
@@ -69,7 +78,8 @@ class ExpertStack(torch.nn.Module):
             timing = self.compute_events is not None and x.is_cuda
             start = torch.cuda.Event(enable_timing=True) if timing else None
             if manager is not None:
-                with stash_activations(counts[l], manager=manager, name=f"layer{l}"):
+                with stash_activations(counts[l], manager=manager, name=f"layer{l}",
+                                       zero_tail=self.zero_tail):
                     if timing:          # after the entry's wait for the previous stash
                         start.record()
                     y = self.expert(l, x)
@@ -212,9 +222,16 @@ def _pool_state(manager) -> dict:
             for k, b in manager.buffers.items() if not b.released}
 
 
-def _sized_peak(model, x, counts, device, config: StashConfig) -> int:
-    """Peak of one steady-state stash step with a fresh manager of ``config`` (warmed up and
-    sized as in :func:`_config_run`), pool included."""
+def sized_peak(model: ExpertStack, x: torch.Tensor, counts: list, device,
+               config: StashConfig) -> int:
+    """Peak bytes of one steady-state stash step of ``model`` with a fresh manager of
+    ``config`` (warmed up and sized as in :func:`config_run`), its pool included.
+
+    ``x``: ``[budget, hidden]`` input of ``model``'s dtype on the CUDA ``device``;
+    ``counts[l]``: int32 ``(1,)`` device tensor, live rows of layer ``l``. Example::
+
+        peak = sized_peak(model, x, counts, device, StashConfig(prefetch="after_release"))
+    """
     manager = StashManager(config, device=device)
     for _ in range(2):
         _step(model, x, counts, manager)
@@ -227,8 +244,23 @@ def _sized_peak(model, x, counts, device, config: StashConfig) -> int:
     return peak + pool
 
 
-def _config_run(name, layers, budget, hidden, ffn, iters, graphs, device, *,
-                profile_overlap: bool = True):
+def config_run(name: str, layers: int, budget: int, hidden: int, ffn: int, iters: int,
+               graphs: bool, device, *, profile_overlap: bool = True) -> tuple[str, dict]:
+    """Measure one configuration of the benchmark on the CUDA ``device``: an
+    :class:`ExpertStack` of ``layers`` bf16 layers on a ``[budget, hidden]`` buffer with half
+    of its rows live, without stashing, with :func:`graphstash.stash_activations` and exact-size.
+
+    Returns ``(name, figures)``; the figures (bytes, milliseconds) are those :func:`run`
+    prints: ``peak_plain``, ``peak_stash`` (pool included), ``peak_exact``,
+    ``peak_stash_after_release``, ``pool_bytes``, ``stashed_bytes``, ``time_plain_ms``,
+    ``time_stash_ms``, ``time_exact_ms``, ``mallocs_in_timed_stash_steps``,
+    ``steady_state_sync`` (None, or the host sync a steady-state stash step made), the copy
+    overlap figures and, with ``graphs``, ``graph_plain_ms`` / ``graph_stash_ms``.
+    ``iters``: timing samples; ``profile_overlap``: also trace the kernels (CUPTI). Example::
+
+        name, figures = config_run("memory", 8, 4096, 1024, 4096, iters=3, graphs=False,
+                                   device=torch.device("cuda"))
+    """
     import graphstash
 
     gen = torch.Generator().manual_seed(0)
@@ -263,7 +295,7 @@ def _config_run(name, layers, budget, hidden, ffn, iters, graphs, device, *,
     res["peak_stash"] = peak + pool        # the pool was allocated before the baseline
     res["peak_exact"], _ = _peak(lambda: model.forward_exact(x, [live] * layers).float()
                                  .square().mean().backward(), device)
-    res["peak_stash_after_release"] = _sized_peak(model, x, counts, device,
+    res["peak_stash_after_release"] = sized_peak(model, x, counts, device,
                                                   StashConfig(prefetch="after_release"))
     # ---- host syncs and allocations in the steady state ------------------------------------
     torch.cuda.synchronize()
@@ -347,7 +379,7 @@ def run(quick: bool = False) -> dict:
                 8192 if quick else 16384)]
     results = {}
     for name, layers, budget, hidden, ffn in configs:
-        key, res = _config_run(name, layers, budget, hidden, ffn, iters, True, device)
+        key, res = config_run(name, layers, budget, hidden, ffn, iters, True, device)
         results[key] = res
         torch.cuda.empty_cache()
     mib = 1 / 2**20

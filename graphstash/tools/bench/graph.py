@@ -1,4 +1,5 @@
-"""Benchmark of @graph_step: eager step vs graph replay, launch-bound and compute-bound.
+"""``graphstash bench graph``: graph_step against the eager loop, launch-bound and
+compute-bound.
 
 Each configuration times, in the same run: the eager loop (``zero_grad``, forward, backward,
 ``optimizer.step()``), the decorated step (staging, replay, status read), and bare
@@ -13,7 +14,7 @@ import time
 
 import torch
 
-from ..graph import graph_step
+from ...graph import graph_step
 
 CONFIGS = {
     # many small layers: the eager step is bound by kernel launches
@@ -102,12 +103,12 @@ def run(quick: bool = False) -> dict:
 
     Example::
 
-        from graphstash.bench import graph
+        from graphstash.tools.bench import graph
         results = graph.run(quick=True)
         assert results["launch_bound"]["speedup"] >= 2.5
     """
     if not torch.cuda.is_available():
-        raise RuntimeError("graphstash.bench.graph: needs a CUDA GPU; none is visible")
+        raise RuntimeError("graphstash.tools.bench.graph: needs a CUDA GPU; none is visible")
     iters = 20 if quick else 100
     results = {}
     for name, cfg in CONFIGS.items():

@@ -1,7 +1,8 @@
 """``graphstash bench moe``: MoE training steps against the peer users would run instead.
 
 Every mode is a full training step (forward, backward, fused AdamW) of
-:class:`graphstash.models.MoEModel`, from the same initialisation and batches:
+:class:`graphstash.models.MoEModel`, from the same initialisation and batches, built by
+:mod:`graphstash.tools.training` (its loss reaches every parameter: NOTE [training loss]):
 
 - ``plain eager`` / ``plain graph``: the peer, a dropless MoE in plain PyTorch (sort, histc,
   ``torch._grouped_mm`` over exactly T*K rows, ``index_add_``; :mod:`graphstash.models.plain`),
@@ -16,8 +17,8 @@ Configurations: the presets at real layer widths (``graphstash.models.PRESETS``:
 ``qwen3-30b-a3b``, ``mixtral-8x7b``; gated experts, 8192 tokens per rank, as many layers as
 fit unless ``--layers``), a user's own (``--hidden --ffn --experts --topk``), and the
 launch-bound and memory-bound configurations of earlier figures. Expert parallel under
-``torchrun --nproc-per-node N -m graphstash.cli bench moe`` (WORLD_SIZE is detected; rank 0
-prints; figures are the largest over the ranks).
+``torchrun --nproc-per-node N -m graphstash.tools.cli bench moe`` (WORLD_SIZE is detected;
+rank 0 prints; figures are the largest over the ranks).
 
 Columns: step time (median of CUDA-event samples of back-to-back calls, each call a whole
 decorated step: staging, replay and status read), its ratio to the peer (graphed peer for
@@ -36,10 +37,10 @@ import statistics
 
 import torch
 
-from ..memory import static_footprint
-from ..models import PRESETS, MoEConfig, MoEModel
-from ..moe import prepare_experts
-from ._timing import eager_training_step, event_ms
+from ...memory import static_footprint
+from ...models import PRESETS, MoEConfig
+from .. import options, training
+from .timing import event_ms
 
 # NOTE [bench budgets]: the launch-bound and memory-bound configurations size their static
 # buffers at twice the average rows a rank receives (capacity_factor=2.0), the worst case at
@@ -71,7 +72,8 @@ def add_arguments(parser) -> None:
     g = parser.add_argument_group("moe suite")
     g.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="one preset only (default: every preset and configuration)")
-    for name, help_ in (("hidden", "hidden width"), ("ffn", "expert ffn width"),
+    for name, help_ in (("hidden", f"hidden width, a multiple of {options.HIDDEN_MULTIPLE}"),
+                        ("ffn", "expert ffn width"),
                         ("experts", "experts in total"), ("topk", "experts per token"),
                         ("layers", "MoE layers (default for presets: as many as fit)"),
                         ("tokens", "tokens per rank per step"),
@@ -85,36 +87,29 @@ def add_arguments(parser) -> None:
                    help=f"comma-separated subset of: {', '.join(MODES)}")
 
 
-def _positive(name: str, value, kind=int):
-    if value is None:
-        return None
-    if not isinstance(value, kind) or isinstance(value, bool) or not value > 0 or value != value:
-        what = "an int" if kind is int else "a float"
-        raise ValueError(f"--{name.replace('_', '-')}: expected {what} > 0, "
-                         f"got {value!r}")
-    return value
-
-
 def _replace(config: MoEConfig, **over) -> MoEConfig:
     """``dataclasses.replace``, refusing top-k above the experts by its option (MoEConfig
     would name its field)."""
     topk, experts = over.get("topk", config.topk), over.get("num_experts", config.num_experts)
     if topk > experts:
-        raise ValueError(f"--topk: expected at most --experts={experts}, got {topk}")
+        raise options.FlagError(f"--topk: expected at most the experts ({experts}), got {topk}")
     return dataclasses.replace(config, **over)
 
 
-def configs_from_args(args, quick: bool) -> dict:
+def configs_from_args(args, quick: bool, *, notes: bool = True) -> dict:
     """``{name: MoEConfig}`` the suite runs, from the command line (see :func:`add_arguments`).
-    Raises ValueError naming the option for a bad value."""
-    over = {"hidden": _positive("hidden", getattr(args, "hidden", None)),
-            "ffn": _positive("ffn", getattr(args, "ffn", None)),
-            "num_experts": _positive("experts", getattr(args, "experts", None)),
-            "topk": _positive("topk", getattr(args, "topk", None)),
-            "layers": _positive("layers", getattr(args, "layers", None)),
-            "num_tokens": _positive("tokens", getattr(args, "tokens", None)),
-            "capacity_factor": _positive("capacity_factor",
-                                         getattr(args, "capacity_factor", None), float)}
+    Raises :class:`~graphstash.tools.options.FlagError` naming the option for a bad value;
+    ``notes``: print the one-line notes on values that are allowed but likely mistakes."""
+    over = {"hidden": options.hidden_width("--hidden", getattr(args, "hidden", None)),
+            "ffn": options.positive_int("--ffn", getattr(args, "ffn", None)),
+            "num_experts": options.positive_int("--experts", getattr(args, "experts", None)),
+            "topk": options.positive_int("--topk", getattr(args, "topk", None)),
+            "layers": options.positive_int("--layers", getattr(args, "layers", None)),
+            "num_tokens": options.positive_int("--tokens", getattr(args, "tokens", None)),
+            "capacity_factor": options.capacity_factor(
+                "--capacity-factor", getattr(args, "capacity_factor", None),
+                command="bench" if notes else None)}
+    options.positive_int("--steps", getattr(args, "steps", None))
     over = {k: v for k, v in over.items() if v is not None}
     preset = getattr(args, "preset", None)
     custom = any(k in over for k in ("hidden", "ffn", "num_experts", "topk"))
@@ -123,8 +118,8 @@ def configs_from_args(args, quick: bool) -> dict:
     elif custom:
         missing = [k for k in ("hidden", "ffn", "num_experts", "topk") if k not in over]
         if missing:
-            raise ValueError(f"--{missing[0].replace('num_experts', 'experts')}: a custom shape "
-                             "needs --hidden, --ffn, --experts and --topk")
+            raise options.FlagError(f"--{missing[0].replace('num_experts', 'experts')}: a custom "
+                                "shape needs --hidden, --ffn, --experts and --topk")
         base = MoEConfig(num_tokens=8192, capacity_factor=1.0,
                          gated=not getattr(args, "plain_experts", False), layers=4)
         out = {"custom": _replace(base, **over)}
@@ -133,10 +128,8 @@ def configs_from_args(args, quick: bool) -> dict:
                                             for n, c in PRESETS.items()}, **CONFIGS}
     for name, c in out.items():
         if c.topk > c.num_experts:
-            raise ValueError(f"--topk: expected at most --experts={c.num_experts}, got {c.topk}")
-        if c.capacity_factor < 1.0 and name in PRESETS:
-            print(f"note: {name} at capacity factor {c.capacity_factor} < 1 drops rows on one "
-                  "GPU; every flagged step reruns dropless")
+            raise options.FlagError(f"--topk: expected at most the experts ({c.num_experts}), "
+                                    f"got {c.topk}")
     return out
 
 
@@ -147,7 +140,8 @@ def modes_from_args(args) -> tuple:
     modes = tuple(m.strip() for m in text.split(","))
     bad = [m for m in modes if m not in MODES]
     if bad:
-        raise ValueError(f"--modes: expected names from {MODES}, got {bad}")
+        raise options.FlagError(f"--modes: expected names from {', '.join(MODES)}, "
+                                f"got {', '.join(map(repr, bad))}")
     return modes
 
 
@@ -216,49 +210,47 @@ def stash_config(device: torch.device):
                                   device_factor=1.05, prefetch="after_release")
 
 
-def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) -> dict:
-    """Build ``mode``, warm up (capture), time ``steps`` steps; figures as the module says."""
-    import graphstash
+def run_mode(mode: str, config: MoEConfig, group, device, batches: list, steps: int, *,
+             stash=None) -> dict:
+    """Build ``mode`` (one of :data:`MODES`) of ``config``, warm up (capture), time ``steps``
+    steps on ``batches`` (:func:`graphstash.tools.training.batches`, at least 3, on the CUDA
+    ``device``); returns the figures the module docstring lists, as a dict.
 
+    ``group``: ``torch.distributed`` group for expert parallelism (None: one GPU); ``stash``:
+    the :class:`~graphstash.StashConfig` of the stash mode (default :func:`stash_config`).
+    Example::
+
+        figures = run_mode("graph + budget", CONFIGS["launch-bound"], None, device, batches, 20)
+    """
     torch.cuda.synchronize(device)
     gc.collect()                  # the previous mode's step, model and graph, if in a cycle
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     graphed = mode in GRAPHED
-    model = MoEModel(config, mode=MODEL_MODE[mode], group=group, seed=0, device=device,
-                     dtype=DTYPE)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphed)
-    prepare_experts(device, DTYPE)        # NOTE [grouped_mm under capture], before any capture
-
-    def loss_of(x):
-        loss = model(x).float().pow(2).mean()
-        loss.backward()
-        return loss.detach()
-
-    if graphed:
-        stash = stash_config(device) if mode == "graph + budget + stash" else None
-        # dispatch raises its flags in the running step's status (no status= wiring)
-        step = graphstash.graph_step(loss_of, optimizer=opt, stash=stash, warmup=2)
-        one = step
-    else:
-        one = eager_training_step(loss_of, opt)
+    if mode == "graph + budget + stash" and stash is None:
+        stash = stash_config(device)
+    elif mode != "graph + budget + stash":
+        stash = None
+    run_ = training.build(config, MODEL_MODE[mode], device, DTYPE, graphed=graphed, seed=0,
+                          lr=1e-4, stash=stash, group=group)
+    one, step = run_.step, run_.graph
 
     with count_exchange(group) as sent:
-        one(batches[0])                                   # eager in every mode
-    one(batches[1])
+        one(*batches[0])                                  # eager in every mode
+    one(*batches[1])
     torch.cuda.synchronize(device)
     # NOTE [steady-state peak]: the warmup steps are left out of the peak (the first one runs
     # before the stash pool is sized); the capture and the timed steps count.
     torch.cuda.reset_peak_memory_stats(device)
-    one(batches[2])                                       # graphed modes: the capture
+    one(*batches[2])                                      # graphed modes: the capture
     counter = iter(range(1 << 30))
     samples = []
     for _ in range(steps):
-        samples.append(event_ms(lambda: one(batches[next(counter) % len(batches)]), 1))
+        samples.append(event_ms(lambda: one(*batches[next(counter) % len(batches)]), 1))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
-    static = static_footprint(model, opt, device=device)
+    static = static_footprint(run_.model, run_.optimizer, device=device)
     stats = step.stats if graphed else None
     plan = step.stash_manager.plan() if mode == "graph + budget + stash" else []
     figures = torch.tensor([statistics.median(samples), peak / 2**20, (peak - static) / 2**20,
@@ -270,7 +262,8 @@ def _run_mode(mode: str, config: MoEConfig, group, device, batches, steps: int) 
     if group is not None:
         torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MAX, group=group)
     step_ms, peak_mib, act_mib, sent_mib, over_budget, overflow, reruns = figures.tolist()
-    del model, opt
+    run_.release()
+    del run_, one, step
     return {"step_ms": step_ms, "peak_mib": peak_mib, "activation_peak_mib": act_mib,
             "exchanged_mib": sent_mib, "over_budget": int(over_budget),
             "overflow": int(overflow), "reruns": int(reruns),
@@ -325,9 +318,9 @@ def run(quick: bool = False, args=None) -> dict:
         group = dist.group.WORLD
     device = torch.device("cuda", torch.cuda.current_device())
     rank = torch.distributed.get_rank() if group is not None else 0
-    configs = configs_from_args(args, quick)
+    configs = configs_from_args(args, quick, notes=False)
     modes = modes_from_args(args)
-    steps = _positive("steps", getattr(args, "steps", None)) or (5 if quick else 20)
+    steps = getattr(args, "steps", None) or (5 if quick else 20)
     explicit_layers = getattr(args, "layers", None) is not None
     out = {}
     for name, config in configs.items():
@@ -339,15 +332,13 @@ def run(quick: bool = False, args=None) -> dict:
             config = dataclasses.replace(config, layers=_fit_layers(config, world, device))
         if world > 1 and config.chunk_factor is None:
             config = dataclasses.replace(config, chunk_factor=config.capacity_factor)
-        gen = torch.Generator(device=device).manual_seed(1234 + rank)
-        batches = [torch.randn(config.num_tokens, config.hidden, generator=gen, device=device,
-                               dtype=DTYPE) for _ in range(4)]
+        batches = training.batches(config, 4, seed=1234 + rank, device=device, dtype=DTYPE)
         results = {}
         for mode in modes:
             if mode == "plain graph" and world > 1:
                 results[mode] = {"error": "not capturable: reads its split sizes back"}
                 continue
-            results[mode] = _run_mode(mode, config, group, device, batches, steps)
+            results[mode] = run_mode(mode, config, group, device, batches, steps)
         if rank == 0:
             _print_table(name, config, world, results)
         out[name] = {"config": dataclasses.asdict(config), "results": results}

@@ -17,8 +17,8 @@ import gc
 import torch
 import torch.nn.functional as F
 
-from ..offload import ActivationOffloader
-from ..swap import TensorSwapper
+from ...offload import ActivationOffloader
+from ...swap import TensorSwapper
 
 
 class _Block(torch.nn.Module):
@@ -96,7 +96,7 @@ def run(quick: bool = False) -> dict:
 
     Example::
 
-        numbers = graphstash.bench.offload.run(quick=True)
+        numbers = graphstash.tools.bench.offload.run(quick=True)
     """
     if not torch.cuda.is_available():
         raise RuntimeError("graphstash bench offload needs a CUDA GPU; none is visible")

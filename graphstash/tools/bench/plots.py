@@ -4,7 +4,8 @@ from __future__ import annotations
 import pathlib
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -24,7 +25,9 @@ def _grouped_bars(ax, groups: list[str], series: dict[str, list[float]], ylabel:
     ax.legend(fontsize=8)
 
 
-def _kernels(result: dict, plt):
+def kernels_figure(result: dict, plt):
+    """The kernels suite's figure: torch copy time over graphstash time per shape, device
+    and host tier side by side (``result`` as ``graphstash bench kernels`` returns it)."""
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, tier in zip(axes, ("device", "host")):
         rows = [r for r in result["results"] if r["tier"] == tier]
@@ -80,10 +83,10 @@ def _stash(result: dict, plt):
 
 def write(results: dict, directory) -> list[pathlib.Path]:
     """Write one PNG per suite in ``results`` (as returned by the suites' ``run``)."""
-    plt = _pyplot()
+    plt = pyplot()
     out = pathlib.Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    makers = {"kernels": _kernels, "graph": _graph, "stash": _stash,
+    makers = {"kernels": kernels_figure, "graph": _graph, "stash": _stash,
               "moe": lambda r, p: _modes({c: v.get("results", v) for c, v in r.items()}, p,
                                          "moe"),
               "offload": lambda r, p: _modes({"offload": r["results"]}, p, "offload"),

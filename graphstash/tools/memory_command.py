@@ -1,0 +1,162 @@
+"""``graphstash memory``: where the memory of one training step of the reference MoE model is.
+
+Builds :class:`graphstash.models.MoEModel` (a preset of :data:`graphstash.models.PRESETS` or
+the default sizes, with any width overridden), AdamW and the step as ``graphstash bench moe``
+does (:mod:`graphstash.tools.training`): a plain eager loop in ``--mode dropless``,
+:func:`graphstash.graph_step` in the budget and stash modes (with ``stash=`` in the latter,
+whose plan is printed). After the warmup steps it records with
+:func:`graphstash.memory.profile` and prints the peak, the owner totals and the blocks alive at
+the peak; ``--plot FILE`` writes the timeline. On a GPU the graphed modes record the call that
+captures the step into a CUDA graph and the next call (a replay). On the CPU the sizes not
+given by a flag are capped (:data:`CPU_LIMITS`) and the model runs eagerly in float32 with
+the reference backend; the header shows every size as it runs and says which were reduced.
+Flags are checked before anything is built (:mod:`graphstash.tools.options`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..memory import profile
+from ..models import PRESETS, MoEConfig, preset
+from . import options, training
+
+MODES = ("dropless", "budget", "stash")
+# On the CPU every size not given by a flag is capped (a reduced run of the same structure).
+# On a GPU the presets' depth is cut to GPU_LAYERS unless --layers says otherwise: 48
+# Qwen3-30B-A3B or 32 Mixtral layers with bf16 AdamW state do not fit one GPU.
+CPU_LIMITS = {"hidden": 64, "ffn": 128, "num_experts": 8, "topk": 2, "layers": 2,
+              "num_tokens": 256}
+GPU_LAYERS = 4
+# flag -> MoEConfig field
+_FLAGS = {"hidden": "hidden", "ffn": "ffn", "experts": "num_experts", "topk": "topk",
+          "layers": "layers", "tokens": "num_tokens", "capacity_factor": "capacity_factor"}
+WARMUP = training.WARMUP      # eager steps before the recorded one (graph_step's warmup)
+SEED = 1234                   # the recorded batch
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="layer widths of a real model (default: graphstash.models.MoEConfig())")
+    p.add_argument("--mode", default="stash", choices=MODES,
+                   help="dropless (eager, host-sized buffers), budget (static budget, a CUDA "
+                   "graph on a GPU) or stash (budget + stashed activations; default)")
+    p.add_argument("--hidden", type=int, default=None,
+                   help=f"hidden width, a multiple of {options.HIDDEN_MULTIPLE}")
+    for flag, what in (("ffn", "expert ffn width"), ("experts", "experts in total"),
+                       ("topk", "experts per token"), ("layers", "MoE layers"),
+                       ("tokens", "tokens per step")):
+        p.add_argument(f"--{flag}", type=int, default=None, help=what)
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="static budget as a multiple of the average rows (below 1: rows are "
+                   "over budget)")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="write the memory timeline to FILE (PNG, PDF, SVG...; matplotlib)")
+    p.add_argument("--device", default="auto",
+                   help=f"{', '.join(options.DEVICES)} (default auto: the GPU if torch sees one)")
+    p.add_argument("--top", type=int, default=12, help="rows listed per owner (default 12)")
+
+
+def check_flags(args) -> torch.device:
+    """Every flag checked (:class:`~graphstash.tools.options.FlagError` naming it) before
+    anything runs; returns the device."""
+    dev = options.device("--device", args.device)
+    options.hidden_width("--hidden", args.hidden)
+    for flag in ("ffn", "experts", "topk", "layers", "tokens"):
+        options.positive_int(f"--{flag}", getattr(args, flag))
+    options.positive_int("--top", args.top)
+    options.capacity_factor("--capacity-factor", args.capacity_factor, command="memory")
+    options.plot_file("--plot", args.plot)
+    return dev
+
+
+def sizes(args, on_gpu: bool) -> tuple[MoEConfig, dict]:
+    """The model's sizes from the flags: a preset (or ``MoEConfig()``), each size given by a
+    flag taking its value; on the CPU the others capped at :data:`CPU_LIMITS`, on a GPU a
+    preset's depth cut to :data:`GPU_LAYERS` unless ``--layers``. Returns the config and
+    ``{field: size before it was reduced}`` of those reduced (:func:`header` shows both)."""
+    config = preset(args.preset) if args.preset else MoEConfig()
+    overrides = {field: getattr(args, flag) for flag, field in _FLAGS.items()
+                 if getattr(args, flag) is not None}
+    reduced = {}
+    if not on_gpu:
+        for field, cap in CPU_LIMITS.items():
+            if field not in overrides and getattr(config, field) > cap:
+                reduced[field] = getattr(config, field)
+                config = dataclasses.replace(config, **{field: cap})
+    elif args.preset and "layers" not in overrides:
+        reduced["layers"] = config.layers
+        config = dataclasses.replace(config, layers=GPU_LAYERS)
+    topk = overrides.get("topk", config.topk)              # before MoEConfig refuses it
+    experts = overrides.get("num_experts", config.num_experts)
+    if topk > experts:
+        raise options.FlagError(f"--topk: expected at most the experts ({experts}), got {topk}")
+    config = dataclasses.replace(config, **overrides)
+    return config, reduced
+
+
+def _stash_config(mode: str, dev: torch.device):
+    """The stash configuration ``graphstash bench moe`` runs (None without stashing)."""
+    if mode != "stash":
+        return None
+    from ..stash import StashConfig
+
+    if dev.type == "cuda":
+        from .bench.moe import stash_config
+
+        return stash_config(dev)
+    # The reduced model's saved tensors are small: let all of them be candidates.
+    return StashConfig(host_tier=False, min_tensor_bytes=0)
+
+
+def header(args, config: MoEConfig, reduced: dict, dtype, dev, on_gpu: bool) -> str:
+    """The first line: every size as it runs; a reduced one with what it was reduced from."""
+    def size(field: str, label: str) -> str:
+        text = label.format(getattr(config, field))
+        return text + (f" (from {reduced[field]})" if field in reduced else "")
+
+    why = ""
+    if reduced:
+        why = ("; (from N): reduced for the CPU" if not on_gpu
+               else "; (from N): reduced to fit one GPU, --layers to change")
+    return (f"graphstash memory: {args.preset or 'default sizes'}, mode {args.mode}, "
+            f"{size('layers', '{} layers')}, {size('hidden', 'hidden {}')}, "
+            f"{size('ffn', 'ffn {}')}, {size('num_experts', '{} experts')} "
+            f"{size('topk', 'top-{}')}, {size('num_tokens', '{} tokens')}, "
+            f"capacity factor {config.capacity_factor}, {str(dtype).replace('torch.', '')} "
+            f"on {dev}{why}")
+
+
+def run(args) -> int:
+    """Check the flags, build, warm up and record one step; print the report (and write the
+    plot)."""
+    dev = check_flags(args)
+    on_gpu = dev.type == "cuda"
+    config, reduced = sizes(args, on_gpu)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    graphed = args.mode != "dropless"
+    captured = on_gpu and graphed
+    print(header(args, config, reduced, dtype, dev, on_gpu))
+    if captured:
+        print(f"recorded: the CUDA graph capture of the step by graph_step and the next "
+              f"call's replay, after {WARMUP} eager warmup steps")
+    else:
+        where = "eagerly" if on_gpu else "eagerly on the CPU (no CUDA graph), reference backend"
+        print(f"recorded: one step {where}, after {WARMUP} warmup steps")
+    with training.quiet_cpu_graph_step(on_gpu):
+        run_ = training.build(config, args.mode, dev, dtype, graphed=graphed,
+                              stash=_stash_config(args.mode, dev), warmup=WARMUP)
+        x, y = training.batches(config, 1, seed=SEED, device=dev, dtype=dtype)[0]
+        report = profile(run_.step, x, y, model=run_.model, optimizer=run_.optimizer,
+                         stash_manager=run_.stash_manager, warmup=WARMUP,
+                         steps=2 if captured else 1, device=dev)
+    if run_.stash_manager is not None and run_.stash_manager.plan():
+        print("\nstash plan (from the warmup measurement):")
+        print(run_.stash_manager.plan_table())
+    print()
+    print(report.table(top=args.top))
+    if args.plot:
+        print(f"wrote {report.plot(args.plot)}")
+    run_.release()
+    return 0

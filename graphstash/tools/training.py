@@ -1,0 +1,147 @@
+"""The training set-up that ``graphstash demo``, ``graphstash memory`` and ``graphstash bench
+moe`` run: the reference MoE model, its AdamW, its batches and its step, written once.
+
+A step is either a plain eager loop (``zero_grad``, forward, backward, ``optimizer.step()``)
+or the same forward and backward under :func:`graphstash.graph_step`, which on a GPU warms up
+eagerly, captures the whole step (AdamW fused and capturable) and replays it, and on the CPU
+runs every step eagerly with the reference backend.
+
+The loss is the mean squared distance of the model's output to a target that is a fixed
+random map of the input, RMS-normalised like the output (NOTE [training loss]).
+
+Example::
+
+    run = build(MoEConfig(), "budget", device, torch.bfloat16, graphed=True)
+    for x, y in batches(MoEConfig(), 4, seed=0, device=device, dtype=torch.bfloat16):
+        loss = run.step(x, y)
+    run.release()
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import warnings
+from typing import Callable
+
+import torch
+
+from ..graph import GraphStep, graph_step
+from ..models import MoEConfig, MoEModel
+from ..moe import prepare_experts
+
+WARMUP = 2          # eager graph_step calls before the capture
+
+# NOTE [training loss]: the model ends in an RMSNorm whose weight starts at ones, so the mean
+# square of its output is constant and the gradients of ``model(x).pow(2).mean()`` are
+# rounding noise. The distance to a target reaches every parameter: its gradient at the output
+# is ``2 (out - y) / numel``. The target, a fixed random map of the tokens normalised like the
+# output, makes the loss start near 2 and fall as the model learns the map.
+
+
+def batches(config: MoEConfig, count: int, *, seed: int, device, dtype) -> list:
+    """``count`` batches ``(x, y)``: ``x`` ``[num_tokens, hidden]`` tokens in ``dtype`` on
+    ``device``, ``y`` float32 ``[num_tokens, hidden]`` targets on ``device``
+    (NOTE [training loss]), drawn from ``seed`` by a generator on ``device`` (equal seeds on
+    equal devices give equal batches)."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    hidden = config.hidden
+    proj = torch.randn(hidden, hidden, generator=gen, device=device) / math.sqrt(hidden)
+    out = []
+    for _ in range(count):
+        x = torch.randn(config.num_tokens, hidden, generator=gen, device=device)
+        y = torch.tanh(x @ proj)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+        out.append((x.to(dtype), y))
+    return out
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Float32 scalar ``mean((model(x) - y)^2)`` (NOTE [training loss]); ``x`` as
+    :func:`batches` makes it, ``y`` float32 of the output's shape on its device."""
+    return (model(x).float() - y).pow(2).mean()
+
+
+@dataclasses.dataclass
+class TrainingRun:
+    """A model, its optimizer and its step.
+
+    ``step(x, y)`` runs one training step on a batch of :func:`batches` and returns the loss
+    (a detached float32 scalar). ``graph`` is the :class:`graphstash.GraphStep` behind it, or
+    ``None`` for an eager loop.
+    """
+
+    model: MoEModel
+    optimizer: torch.optim.Optimizer
+    step: Callable
+    graph: GraphStep | None
+
+    @property
+    def stash_manager(self):
+        """The stash manager of the graphed step (``None`` without stashing)."""
+        return None if self.graph is None else self.graph.stash_manager
+
+    def release(self) -> None:
+        """Free the captured graphs and stash pools (an eager run holds none)."""
+        if self.graph is not None:
+            self.graph.release()
+
+
+def build(config: MoEConfig, mode: str, device: torch.device, dtype: torch.dtype, *,
+          graphed: bool, seed: int = 0, lr: float = 1e-4, stash=None, group=None,
+          warmup: int = WARMUP) -> TrainingRun:
+    """The model of ``config`` in ``mode`` (a :class:`~graphstash.models.MoEModel` mode:
+    ``"dropless"``, ``"budget"``, ``"stash"`` or ``"plain"``) with AdamW and its step.
+
+    Args:
+        config: the model's sizes.
+        mode: the model's MoE path.
+        device: where the model lives and the step runs (``cpu`` or ``cuda``).
+        dtype: parameter dtype (bf16 on a GPU is what the benchmarks measure).
+        graphed: the step under :func:`graphstash.graph_step` (``warmup`` eager calls, then
+            capture and replays on CUDA; every call eager on the CPU), else a plain eager loop.
+        seed: the model's initialisation seed (equal seeds give equal models).
+        lr: AdamW's learning rate.
+        stash: ``graph_step``'s ``stash=`` (a :class:`graphstash.StashConfig`), for
+            ``mode="stash"``.
+        group: ``torch.distributed`` group for expert parallelism.
+        warmup: ``graph_step``'s eager warmup calls.
+    """
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        # Decide, before anything is captured, whether the experts' grouped GEMM can be
+        # (NOTE [grouped_mm under capture] in graphstash/moe/experts.py).
+        prepare_experts(device, dtype)
+    model = MoEModel(config, mode=mode, group=group, seed=seed, device=device, dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=on_gpu or None,
+                            capturable=on_gpu and graphed)
+
+    def forward_backward(x, y):
+        loss = loss_of(model, x, y)
+        loss.backward()
+        return loss.detach()
+
+    if not graphed:
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = forward_backward(x, y)
+            opt.step()
+            return loss
+        return TrainingRun(model, opt, step, None)
+    # dispatch raises its flags in the running step's status (no status= wiring)
+    train_step = graph_step(forward_backward, optimizer=opt, stash=stash, warmup=warmup,
+                            device=device)
+    return TrainingRun(model, opt, train_step, train_step)
+
+
+@contextlib.contextmanager
+def quiet_cpu_graph_step(on_gpu: bool):
+    """Without CUDA, silence graph_step's notes that it runs eagerly and that the (eager,
+    hence not capturable) optimizer would be refused on a GPU: the tools say once, in their
+    own output, that they run eagerly on the CPU."""
+    with warnings.catch_warnings():
+        if not on_gpu:
+            warnings.filterwarnings("ignore", message=r"graphstash\.graph_step\(",
+                                    category=RuntimeWarning)
+        yield

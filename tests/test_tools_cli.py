@@ -1,0 +1,225 @@
+"""The ``graphstash`` command on the CPU: demo and memory run reduced, every bad flag stops the
+command before any work with one line naming it, ``bench SUITE --help`` describes the suite,
+and what is printed agrees with itself."""
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import pytest
+import torch
+
+from graphstash.models import MoEConfig
+from graphstash.tools import cli, demo, memory_command, options, training
+from graphstash.tools.bench import SUITES
+
+
+def _our_warnings(caught) -> list:
+    return [str(w.message) for w in caught if "graphstash" in str(w.filename) + str(w.message)]
+
+
+# ---- the demo --------------------------------------------------------------------------------
+def test_demo_runs_on_cpu_and_its_loss_falls(capsys):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = demo.run(device="cpu", steps=3)
+    assert _our_warnings(caught) == []
+    assert list(results) == ["dropless", "budget", "stash"]
+    for mode in ("budget", "stash"):
+        torch.testing.assert_close(torch.tensor(results[mode]["losses"]),
+                                   torch.tensor(results["dropless"]["losses"]))
+    losses = results["dropless"]["losses"]
+    assert losses[-1] < 0.95 * losses[0], losses          # the target map is being learnt
+    used, spilled, pool = results["stash"]["pages"]
+    assert 0 < used <= pool
+    out = capsys.readouterr().out
+    assert "no CUDA GPU in use" in out and "eager + budget + stash" in out
+    assert "pages peak/pool" in out
+
+
+def test_cli_demo_modes_on_cpu(capsys):
+    assert cli.main(["demo", "--device", "cpu", "--steps", "2", "--mode", "stash"]) == 0
+    assert "eager + budget + stash" in capsys.readouterr().out
+    assert cli.main(["demo", "--device", "cpu", "--steps", "2", "--mode", "paging",
+                     "--hidden", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "rows checked byte for byte" in out and "[512, 64]" in out
+
+
+# ---- the memory command ------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["stash", pytest.param("budget", marks=pytest.mark.slow),
+                                  pytest.param("dropless", marks=pytest.mark.slow)])
+def test_cli_memory_runs_tiny_on_the_cpu(capsys, tmp_path, mode):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
+    plot = tmp_path / "m.png"
+    rc = cli.main(["memory", "--device", "cpu", "--mode", mode, "--preset", "mixtral-8x7b",
+                   "--layers", "1", "--tokens", "64", "--hidden", "32", "--ffn", "48",
+                   "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "float32 on cpu" in out and "no CUDA graph" in out
+    assert "1 layers, hidden 32, ffn 48, 8 experts top-2, 64 tokens" in out
+    assert "(from" not in out.splitlines()[0]    # every size from a flag or fits the CPU
+    assert "peak:" in out and "activation peak:" in out and "parameters" in out
+    with open(plot, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    if mode == "stash":
+        assert "stash plan" in out and "stash pool" in out
+
+
+def _memory_args(*argv):
+    return cli.build_parser().parse_args(["memory", *argv])
+
+
+def test_memory_header_shows_the_sizes_it_runs():
+    """``--layers 4 --tokens 1024`` on the CPU: the header says 4 layers and 1024 tokens (the
+    flags win), and the widths it reduced say so in place, with what they were."""
+    args = _memory_args("--device", "cpu", "--layers", "4", "--tokens", "1024")
+    config, reduced = memory_command.sizes(args, on_gpu=False)
+    assert (config.layers, config.num_tokens) == (4, 1024)
+    assert reduced == {"hidden": MoEConfig().hidden, "ffn": MoEConfig().ffn}
+    line = memory_command.header(args, config, reduced, torch.float32, torch.device("cpu"),
+                                 on_gpu=False)
+    assert ("4 layers, hidden 64 (from 256), ffn 128 (from 512), 8 experts top-2, 1024 tokens"
+            in line) and line.endswith("; (from N): reduced for the CPU")
+    for field, value in reduced.items():          # a reduced size is shown beside its value
+        assert f"{getattr(config, field)} (from {value})" in line
+
+
+# ---- flags: one line naming the flag, before any work ---------------------------------------
+BAD_FLAGS = [
+    (["memory", "--plot", "/missing/dir/x.png"], "--plot: expected a file in an existing directory"),
+    (["memory", "--plot", "{tmp}/out.txt"], "--plot: expected a file ending in one of"),
+    (["memory", "--plot", "{tmp}"], "--plot: expected a file name"),
+    (["demo", "--device", "tpu"], "--device: expected one of auto, cpu, cuda, got 'tpu'"),
+    (["memory", "--device", "tpu"], "--device: expected one of auto, cpu, cuda, got 'tpu'"),
+    (["demo", "--mode", "paging", "--hidden", "-8"], "--hidden: expected a positive multiple of 8, got -8"),
+    (["demo", "--hidden", "0"], "--hidden: expected a positive multiple of 8, got 0"),
+    (["demo", "--hidden", "7"], "--hidden: expected a positive multiple of 8, got 7"),
+    (["memory", "--hidden", "7"], "--hidden: expected a positive multiple of 8, got 7"),
+    (["bench", "moe", "--hidden", "7"], "--hidden: expected a positive multiple of 8, got 7"),
+    (["demo", "--steps", "1"], "--steps: expected an int >= 2, got 1"),
+    (["memory", "--layers", "0"], "--layers: expected a positive int, got 0"),
+    (["bench", "moe", "--layers", "0"], "--layers: expected a positive int, got 0"),
+    (["memory", "--tokens", "-5"], "--tokens: expected a positive int, got -5"),
+    (["bench", "moe", "--tokens", "-5"], "--tokens: expected a positive int, got -5"),
+    (["memory", "--capacity-factor", "-1"], "--capacity-factor: expected a finite number > 0"),
+    (["bench", "moe", "--capacity-factor", "nan"], "--capacity-factor: expected a finite number > 0"),
+    (["memory", "--experts", "4", "--topk", "5"], "--topk: expected at most the experts (4)"),
+    (["bench", "moe", "--hidden", "64", "--ffn", "8", "--experts", "4", "--topk", "5"],
+     "--topk: expected at most the experts (4)"),
+    (["bench", "moe", "--hidden", "64"], "--ffn: a custom shape needs"),
+    (["bench", "moe", "--modes", "graph"], "--modes: expected names from"),
+    (["bench", "moe", "--steps", "0"], "--steps: expected a positive int, got 0"),
+    (["memory", "--top", "0"], "--top: expected a positive int, got 0"),
+    (["bench", "--json", "/missing/dir/r.json"], "--json: expected a file in an existing directory"),
+    (["bench", "stash", "--plot", "{tmp}/a_file"], "--plot: expected a directory, got the file"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_FLAGS)
+def test_bad_flag_stops_before_any_work_with_one_line(capsys, tmp_path, monkeypatch, argv,
+                                                      message):
+    pytest.importorskip("matplotlib", reason="the --plot checks ask matplotlib")
+    (tmp_path / "a_file").write_text("")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the command started working before checking its flags")
+
+    monkeypatch.setattr(training, "build", no_work)
+    monkeypatch.setattr(demo.PagedStashBuffer, "__init__", no_work)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # bench never runs here
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"graphstash {argv[0]}: error: ") and message in lines[0], lines
+
+
+@pytest.mark.parametrize("argv, flag", [(["memory", "--mode", "fast"], "--mode"),
+                                        (["memory", "--preset", "gpt-5"], "--preset"),
+                                        (["demo", "--size", "huge"], "--size")])
+def test_argparse_choices_name_the_flag(capsys, argv, flag):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_capacity_factor_below_one_is_noted_before_the_gpu_check(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "moe", "--capacity-factor", "0.5"]) == 2
+    captured = capsys.readouterr()
+    notes = [line for line in captured.err.splitlines() if "--capacity-factor" in line]
+    assert notes == ["graphstash bench: note: --capacity-factor 0.5 is below 1: rows will be "
+                     "over budget (each flagged step is rerun dropless)"]
+    assert "need a CUDA GPU" in captured.out
+
+
+def test_validators_name_the_flag_and_accept_good_values():
+    assert options.positive_int("--x", None) is None
+    assert options.positive_int("--x", 3) == 3
+    assert options.hidden_width("--hidden", 64) == 64
+    assert options.capacity_factor("--cf", 1.5, command=None) == 1.5
+    assert options.device("--device", "cpu") == torch.device("cpu")
+    for bad in (True, 2.5, "3"):
+        with pytest.raises(options.FlagError, match="--x: expected a positive int"):
+            options.positive_int("--x", bad)
+    assert issubclass(options.FlagError, ValueError)
+
+
+# ---- bench -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("suite", SUITES + ("all",))
+def test_bench_suite_help_describes_the_suite_and_the_gpu(capsys, suite):
+    with pytest.raises(SystemExit) as info:
+        cli.build_parser().parse_args(["bench", suite, "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"usage: graphstash bench {suite}" in out
+    assert "Needs a CUDA GPU" in out
+    if suite != "all":
+        from graphstash.tools.bench import suite_module
+
+        first = " ".join(suite_module(suite).__doc__.split("\n\n")[0].split())
+        assert first in out
+    if suite in ("moe", "all"):
+        assert "--capacity-factor" in out and "--preset" in out
+    else:
+        assert "--preset" not in out
+
+
+def test_bench_options_before_or_after_the_suite():
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench", "--quick", "moe", "--layers", "2"])
+    assert (args.suite, args.quick, args.layers) == ("moe", True, 2)
+    args = parser.parse_args(["bench", "stash", "--quick"])
+    assert (args.suite, args.quick, args.json_path) == ("stash", True, None)
+    args = parser.parse_args(["bench"])
+    assert args.suite is None and not args.quick          # runs the kernels suite
+
+
+def test_cli_module_is_the_installed_script():
+    import tomllib
+
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"graphstash": "graphstash.tools.cli:main"}
+    assert isinstance(cli.build_parser(), argparse.ArgumentParser)
+
+
+@pytest.mark.gpu
+def test_cli_memory_on_the_gpu(capsys, tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
+    rc = cli.main(["memory", "--device", "cuda", "--preset", "qwen3-30b-a3b", "--mode",
+                   "stash", "--layers", "2", "--tokens", "2048", "--plot",
+                   str(tmp_path / "m.png")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "CUDA graph capture" in out and "the allocator counts" in out
+    assert "stash plan" in out and "lie in CUDA-graph pools" in out
+    assert "2 layers" in out and "2048 tokens" in out and "(from" not in out.splitlines()[0]
