@@ -104,6 +104,7 @@ class DispatchHandle:
     device: torch.device
     backend: str
     source: torch.Tensor | None = None
+    exchanged_weights: torch.Tensor | None = None    # [R] router weights that came with the rows
 
     @property
     def local(self) -> bool:
@@ -154,7 +155,10 @@ class DispatchHandle:
         Scale the expert activations with it and combine with ``weighted=False`` (what
         :func:`~graphstash.moe.expert_mlp` does): the combine then keeps no budget-sized
         tensor for the weights' gradient (NOTE [expert MLP saved tensors] in ``mlp.py``).
+        Through a live-row exchange the weights came with the rows: no extra exchange.
         """
+        if self.exchanged_weights is not None:
+            return self.exchanged_weights
         _, ops = _ops(self.backend, self.device)
         return _PermuteWeights.apply(self.topk_weight, self.plan, ops)
 
@@ -248,6 +252,25 @@ def _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_mult
         if num_experts % world:
             raise ValueError(f"num_experts: expected a multiple of the group size {world} "
                              f"(experts are split evenly over the ranks), got {num_experts}")
+
+
+def _check_exchange(exchange, group, chunk_rows, x) -> None:
+    from .exchange import Transport
+
+    if not isinstance(exchange, Transport):
+        raise TypeError(f"exchange: expected a graphstash.moe.exchange.Transport, got "
+                        f"{type(exchange).__name__}")
+    if group is not None and group is not exchange.group:
+        raise ValueError("group: expected None or the group the exchange was built over "
+                         f"({exchange.group!r}), got {group!r}")
+    if chunk_rows is not None:
+        raise ValueError("chunk_rows: the live-row exchange sends no chunks; leave it None")
+    if exchange.closed:
+        raise ValueError("exchange: the transport was closed")
+    _check_float("x", x)
+    if x.device != exchange.device:
+        raise ValueError(f"x: expected a tensor on {exchange.device} (the exchange's device), "
+                         f"got {describe(x)}")
 
 
 def _ops(backend: str, device: torch.device):
@@ -418,7 +441,7 @@ def _update_status(status: torch.Tensor, plan: RoutingPlan, dropless: bool) -> N
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
              num_experts: int, *, budget: int | None, pad_multiple: int | None = None,
              group=None, chunk_rows: int | None = None, status: torch.Tensor | None = None,
-             backend: str = "auto"):
+             backend: str = "auto", exchange=None):
     """Permute tokens by expert into a static buffer of ``budget`` rows.
 
     Args:
@@ -440,6 +463,10 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
             the budget would keep.
         status: int32 ``[8]`` status tensor on x's device (default :func:`default_status`).
         backend: ``"auto"``, ``"cupy"`` or ``"reference"``.
+        exchange: a :class:`graphstash.moe.exchange.Transport`: the expert-parallel exchange
+            moves only the live rows, straight into the experts' ranks, through it (its ranks
+            are the group; ``group`` may be omitted). Every rank calls dispatch and combine in
+            the same order.
 
     Returns:
         ``(permuted, tokens_per_expert, handle)``: ``permuted`` is ``[budget, hidden]`` in
@@ -455,6 +482,9 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
         y = grouped_mm(permuted, w1, counts)
         out = combine(y, handle)
     """
+    if exchange is not None:
+        _check_exchange(exchange, group, chunk_rows, x)
+        group = None
     _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_multiple, group,
                          chunk_rows)
     dropless = budget is None or is_dropless()
@@ -468,6 +498,17 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
     if dropless or x.device.type == "cpu":
         check_routing(topk_idx, num_experts)
 
+    if exchange is not None:
+        from .exchange import exchange_dispatch, plan_exchange
+
+        plan = plan_exchange(topk_idx.contiguous(), num_experts, None if dropless else budget,
+                             pad_multiple, exchange, row_bytes=x.shape[1] * x.element_size(),
+                             status=None if dropless else status, moe_ops=ops)
+        permuted, weights = exchange_dispatch(x, topk_weight, plan, ops)
+        handle = DispatchHandle(plan=plan, topk_weight=topk_weight, num_experts=num_experts,
+                                hidden=x.shape[1], dtype=x.dtype, device=x.device,
+                                backend=backend_name, source=x, exchanged_weights=weights)
+        return permuted, plan.tokens_per_expert, handle
     if group is None:
         plan = plan_local(topk_idx, num_experts, None if dropless else budget, pad_multiple,
                           ops=ops, status=None if dropless else status)
@@ -519,6 +560,10 @@ def combine(y: torch.Tensor, handle: DispatchHandle, *, weighted: bool = True) -
     if not isinstance(weighted, bool):
         raise TypeError(f"weighted: expected a bool, got {type(weighted).__name__}")
     _, ops = _ops(handle.backend, handle.device)
+    if handle.exchanged_weights is not None:          # dispatched through an exchange
+        from .exchange import exchange_combine
+
+        return exchange_combine(y, handle.topk_weight if weighted else None, handle.plan, ops)
     if not weighted:
         return _CombineUnweighted.apply(y, handle.plan, ops)
     return _Combine.apply(y, handle.topk_weight, handle.plan, ops)
