@@ -20,10 +20,11 @@
 // stores e with release semantics at system scope into slot ``me`` of every rank's SIGNALS,
 // then waits (acquire loads) until every slot of its own SIGNALS holds >= e. Nothing is ever
 // reset, so graph replays, eager steps and reruns simply continue the count (an int64 does not
-// wrap). Ordering: every kernel that writes into other regions ends each thread with
-// __threadfence_system(), and the signal is raised by a later kernel in stream order (or after
-// a fence and __syncthreads in the same block), so a rank that sees epoch e sees everything the
-// signalling rank wrote before raising it. Reads of what peers wrote bypass L1 (__ldcg).
+// wrap). Ordering: a kernel that writes into other regions ends each block with __syncthreads
+// and a __threadfence_system, and the signal is raised by a later kernel in stream order with a
+// fence and a release store at system scope (or, in the same block, after a fence and
+// __syncthreads), so a rank that sees epoch e sees everything the signalling rank wrote before
+// raising it. Reads of what peers wrote bypass L1 (__ldcg).
 // Reuse: a region field is written for exchange n only after a barrier that every rank entered
 // after consuming exchange n - 1 of that field (the launchers issue it), except the counts,
 // which are written before the dispatch's first barrier: every rank read the previous counts
@@ -46,6 +47,9 @@
 #endif
 #ifndef GS_XCHG_UNROLL
 #define GS_XCHG_UNROLL 4        // vectors each lane loads before it stores them
+#endif
+#ifndef GS_XCHG_MIN_BLOCKS
+#define GS_XCHG_MIN_BLOCKS 2    // push kernels: blocks per multiprocessor the registers must allow
 #endif
 #ifndef GS_XCHG_SLEEP_NS
 #define GS_XCHG_SLEEP_NS 64     // back-off between two polls of a signal
@@ -121,12 +125,15 @@ __device__ long long block_barrier(const long long* __restrict__ table, long lon
 // ---------------------------------------------------------------------------------------
 // gs_xchg_barrier: one block. Raises epoch + 1 at every rank and waits for every rank's
 // (block_barrier). Writes W signals (8 bytes each, release, system scope) and the state's
-// epoch, byte count and, after a timeout, its error. No other memory is touched.
+// epoch, byte count and, after a timeout, its error; then, if the exchange failed and a
+// status is given, GS_OVERFLOW_EXCHANGE into status[GS_SS_OVERFLOW] (thread 0).
 // ---------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(GS_THREADS)
     gs_xchg_barrier(const long long* __restrict__ table, long long* state, int W, int me,
-                    long long timeout_ns) {
+                    long long timeout_ns, int* status) {
     block_barrier(table, state, W, me, timeout_ns);
+    if (threadIdx.x == 0 && status != nullptr && state[GS_XS_ERROR] != 0)
+        status[GS_SS_OVERFLOW] |= GS_OVERFLOW_EXCHANGE;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -326,17 +333,34 @@ extern "C" __global__ void __launch_bounds__(GS_THREADS)
 // i < min(count[0], max_items) (the live count, read on the device) and copies row
 // src_index[i] (or i) of src into rank dest_peer[i]'s field at row dest_row[i] - lo, when
 // that row is in the window [lo, hi) and the region (capacity rows); N-byte vectors, each
-// lane loading GS_XCHG_UNROLL before storing them. Each thread ends with
-// __threadfence_system() (NOTE [exchange signals]); each block adds its bytes and rows to
-// the state with one atomic per counter.
+// lane loading GS_XCHG_UNROLL before storing them, the next item's indices loaded while the
+// current row moves. Each block ends with __syncthreads and one __threadfence_system (NOTE
+// [exchange signals]) and adds its bytes and rows to the state, one atomic per counter.
 // ---------------------------------------------------------------------------------------
+struct PushItem {
+    int peer, row, src;
+};
+
+__device__ __forceinline__ PushItem push_item(long long item, long long n,
+                                              const int* __restrict__ src_index,
+                                              const int* __restrict__ dest_peer,
+                                              const int* __restrict__ dest_row) {
+    PushItem it{-1, -1, -1};
+    if (item < n) {
+        it.peer = __ldg(dest_peer + item);
+        it.row = __ldg(dest_row + item);
+        it.src = src_index != nullptr ? __ldg(src_index + item) : static_cast<int>(item);
+    }
+    return it;
+}
+
 template <typename V>
 __device__ void push_impl(const long long* __restrict__ table, long long* state, int W, int me,
-                          int field, const V* __restrict__ src, long long src_rows,
+                          int field, const V* __restrict__ src, int src_rows,
                           const int* __restrict__ src_index, const int* __restrict__ dest_peer,
                           const int* __restrict__ dest_row, const int* __restrict__ count,
-                          long long max_items, long long vec_per_row, int lanes_log2,
-                          long long lo, long long hi, long long capacity) {
+                          int max_items, int vec_per_row, int lanes_log2, int lo, int hi,
+                          int capacity) {
     __shared__ unsigned long long block_bytes[2];
     __shared__ unsigned long long block_rows;
     if (threadIdx.x == 0) {
@@ -344,47 +368,49 @@ __device__ void push_impl(const long long* __restrict__ table, long long* state,
         block_rows = 0;
     }
     __syncthreads();
-    const long long n = min(static_cast<long long>(max(count[0], 0)), max_items);
+    const int n = min(max(count[0], 0), max_items);
     const int lanes = 1 << lanes_log2;
     const int sub = threadIdx.x & (lanes - 1);
-    const long long first = (static_cast<long long>(blockIdx.x) * GS_THREADS + threadIdx.x) >> lanes_log2;
-    const long long groups = (static_cast<long long>(gridDim.x) * GS_THREADS) >> lanes_log2;
-    const long long step = static_cast<long long>(lanes) * GS_XCHG_UNROLL;
-    unsigned long long remote = 0, local = 0, moved = 0;
-    for (long long item = first; item < n; item += groups) {
-        const int peer = dest_peer[item];
-        const long long row = dest_row[item];
-        if (peer < 0 || peer >= W || row < lo || row >= hi || row - lo >= capacity) continue;
-        const long long s = src_index != nullptr ? static_cast<long long>(src_index[item]) : item;
-        if (s < 0 || s >= src_rows) continue;
-        const V* in = src + s * vec_per_row;
-        V* out = reinterpret_cast<V*>(table[field * W + peer]) + (row - lo) * vec_per_row;
-        for (long long v0 = sub; v0 < vec_per_row; v0 += step) {
+    const int first = static_cast<int>((static_cast<long long>(blockIdx.x) * GS_THREADS + threadIdx.x) >> lanes_log2);
+    const int groups = static_cast<int>((static_cast<long long>(gridDim.x) * GS_THREADS) >> lanes_log2);
+    const int step = lanes * GS_XCHG_UNROLL;
+    unsigned int local = 0, remote = 0, moved = 0;       // rows; bytes = rows x row bytes
+    PushItem next = push_item(first, n, src_index, dest_peer, dest_row);
+    for (int item = first; item < n; item += groups) {
+        const PushItem it = next;
+        next = push_item(static_cast<long long>(item) + groups, n, src_index, dest_peer, dest_row);
+        if (it.peer < 0 || it.peer >= W || it.row < lo || it.row >= hi || it.row - lo >= capacity
+            || it.src < 0 || it.src >= src_rows)
+            continue;
+        const V* in = src + static_cast<long long>(it.src) * vec_per_row;
+        V* out = reinterpret_cast<V*>(table[field * W + it.peer])
+                 + static_cast<long long>(it.row - lo) * vec_per_row;
+        for (int v0 = sub; v0 < vec_per_row; v0 += step) {
             V buf[GS_XCHG_UNROLL];
             #pragma unroll
             for (int u = 0; u < GS_XCHG_UNROLL; ++u) {
-                const long long v = v0 + static_cast<long long>(u) * lanes;
+                const int v = v0 + u * lanes;
                 if (v < vec_per_row) buf[u] = in[v];
             }
             #pragma unroll
             for (int u = 0; u < GS_XCHG_UNROLL; ++u) {
-                const long long v = v0 + static_cast<long long>(u) * lanes;
+                const int v = v0 + u * lanes;
                 if (v < vec_per_row) out[v] = buf[u];
             }
         }
         if (sub == 0) {
-            const unsigned long long b = static_cast<unsigned long long>(vec_per_row) * sizeof(V);
-            if (peer == me) local += b;
-            else remote += b;
-            ++moved;
+            if (it.peer == me) ++local;
+            else ++remote;
         }
     }
-    __threadfence_system();
-    if (remote) atomicAdd(&block_bytes[0], remote);
-    if (local) atomicAdd(&block_bytes[1], local);
-    if (moved) atomicAdd(&block_rows, moved);
+    moved = local + remote;
+    const unsigned long long row_bytes = static_cast<unsigned long long>(vec_per_row) * sizeof(V);
+    if (remote) atomicAdd(&block_bytes[0], remote * row_bytes);
+    if (local) atomicAdd(&block_bytes[1], local * row_bytes);
+    if (moved) atomicAdd(&block_rows, static_cast<unsigned long long>(moved));
     __syncthreads();
     if (threadIdx.x == 0) {
+        __threadfence_system();
         if (block_bytes[0])
             atomicAdd(reinterpret_cast<unsigned long long*>(state + GS_XS_ROW_BYTES_REMOTE), block_bytes[0]);
         if (block_bytes[1])
@@ -395,12 +421,12 @@ __device__ void push_impl(const long long* __restrict__ table, long long* state,
 }
 
 #define GS_PUSH(N, V)                                                                          \
-    extern "C" __global__ void __launch_bounds__(GS_THREADS)                                   \
+    extern "C" __global__ void __launch_bounds__(GS_THREADS, GS_XCHG_MIN_BLOCKS)               \
         gs_xchg_push_v##N(const long long* table, long long* state, int W, int me, int field,  \
-                          const V* src, long long src_rows, const int* src_index,              \
+                          const V* src, int src_rows, const int* src_index,                    \
                           const int* dest_peer, const int* dest_row, const int* count,         \
-                          long long max_items, long long vec_per_row, int lanes_log2,          \
-                          long long lo, long long hi, long long capacity) {                    \
+                          int max_items, int vec_per_row, int lanes_log2, int lo, int hi,      \
+                          int capacity) {                                                      \
         push_impl<V>(table, state, W, me, field, src, src_rows, src_index, dest_peer,          \
                      dest_row, count, max_items, vec_per_row, lanes_log2, lo, hi, capacity);   \
     }

@@ -129,8 +129,9 @@ def _bytes_expected(plan_rows_kept: int, rows_back: int, row_bytes: int, weight_
 
 def _gloo_ranks(rank: int, world: int, E: int) -> None:
     from graphstash.moe.exchange import build_gloo_transport
-    from _exchange_cases import (H, K, compare, fitting_budget, moe_layer, rank_data,
-                                 reference, run_rank, expert_weights)
+    from _exchange_cases import (H, K, compare, expert_weights, fitting_budget,
+                                 graph_step_case, moe_layer, moe_model_case, rank_data,
+                                 reference, run_rank)
 
     T = 20
     device = torch.device("cpu")
@@ -177,12 +178,22 @@ def _gloo_ranks(rank: int, world: int, E: int) -> None:
     values = torch.tensor([rank + 1, 0, 2 * rank], dtype=torch.int32)
     transport.all_reduce_flags_(values)
     assert values.tolist() == [world * (world + 1) // 2, 0, world * (world - 1)]
+    # graph_step (eager on the CPU): skewed steps rerun dropless on every rank, one update each
+    graph_step_case(transport, 2 * world, T, 10, device)
+    # MoEModel over the exchange: budget mode eagerly, stash mode under graph_step
+    moe_model_case(transport, T, E, device)
     transport.check()
     transport.close()
 
 
-@pytest.mark.parametrize("world,E", [(2, 4), (4, 8)])
-def test_gloo_exchange_equals_one_device_reference(world, E):
+def test_gloo_exchange_equals_one_device_reference():
     from _ranks import run_ranks
 
-    run_ranks(_gloo_ranks, world, E)
+    run_ranks(_gloo_ranks, 2, 4)
+
+
+@pytest.mark.slow
+def test_gloo_exchange_four_ranks():
+    from _ranks import run_ranks
+
+    run_ranks(_gloo_ranks, 4, 8)

@@ -145,7 +145,8 @@ def _exchange_buffers_case(rank, device, dtype, group):
 
     config = MoEConfig(hidden=H, ffn=12, num_experts=E, topk=K, layers=3, num_tokens=T,
                        capacity_factor=2.0, chunk_factor=2.0, gated=True)
-    model = MoEModel(config, mode="budget", group=group, seed=5, device=device, dtype=dtype)
+    model = MoEModel(config, mode="budget", group=group, seed=5, device=device, dtype=dtype,
+                     exchange=None)                   # the NCCL chunk path
     x = tokens(T, H, torch.Generator().manual_seed(50 + rank), dtype).to(device)
     buffers, alive_at_call = [], []
     original = _dispatch._all_to_all

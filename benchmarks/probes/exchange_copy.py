@@ -13,7 +13,8 @@ by a random map as a dispatch picks them) are moved on one GPU:
 
 Bandwidth counts bytes read plus bytes written of the live rows. Times are medians over
 ``--reps`` CUDA-event timings of a graph of ``--inner`` launches. Prints a table; ``--json``
-writes it.
+writes it. ``--variants`` also times the 16-byte push compiled with other ``GS_XCHG_UNROLL``
+and ``GS_XCHG_MIN_BLOCKS`` (CuPy directly: a tuning run, not the library's launcher).
 
     python benchmarks/probes/exchange_copy.py
 """
@@ -117,11 +118,66 @@ def run_case(live: int, rows: int, row_bytes: int, reps: int, inner: int) -> dic
     return result
 
 
+def variants(live: int, rows: int, row_bytes: int, reps: int, inner: int) -> list[dict]:
+    """The 16-byte push compiled with other unroll / min-blocks values, same arguments."""
+    import cupy
+    import numpy as np
+
+    from graphstash import _kernels as K
+    from graphstash._kernels.exchange import lanes_per_row
+    from graphstash.moe.exchange import build_local_transports
+    from raw_kernels import source_path
+
+    device = torch.device("cuda", 0)
+    width = row_bytes // 2
+    gen = torch.Generator(device=device).manual_seed(7)
+    transports = build_local_transports(2, capacity_rows=rows, row_bytes=row_bytes,
+                                        max_experts=8, device=device)
+    t0 = transports[0]
+    src = torch.randn(rows, width, device=device, generator=gen).to(torch.bfloat16)
+    token = torch.randperm(rows, device=device, generator=gen)[:live].to(torch.int32)
+    peer = (torch.arange(live, device=device) % 2).to(torch.int32)
+    dest = (torch.arange(live, device=device) // 2).to(torch.int32)
+    count = torch.tensor([live], dtype=torch.int32, device=device)
+    dst = torch.empty(rows, width, dtype=torch.bfloat16, device=device)
+    base = _median_ms(lambda: dst[:live].copy_(src[:live]), reps, inner)
+    vec = row_bytes // 16
+    out = []
+    for unroll in (2, 4, 8):
+        for min_blocks in (1, 2):
+            opts = K.compile_options() + (f"-DGS_XCHG_UNROLL={unroll}",
+                                          f"-DGS_XCHG_MIN_BLOCKS={min_blocks}")
+            fn = cupy.RawModule(code=source_path("moe_exchange.cu").read_text(),
+                                options=opts).get_function("gs_xchg_push_v16")
+            lanes = lanes_per_row(-(-vec // unroll))
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            per_sm = max(1, min(65536 // (max(fn.num_regs, 1) * K.THREADS), 2048 // K.THREADS))
+            grid = (max(1, min(-(-live * lanes // K.THREADS), per_sm * sms)), 1, 1)
+            args = (K.ptr(t0.table), K.ptr(t0.state), np.int32(2), np.int32(0),
+                    np.int32(X.XF_ROWS), K.ptr(src), np.int32(rows), K.ptr(token), K.ptr(peer),
+                    K.ptr(dest), K.ptr(count), np.int32(live), np.int32(vec),
+                    np.int32(lanes.bit_length() - 1), np.int32(0), np.int32(rows),
+                    np.int32(rows))
+
+            def push():
+                with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                    fn(grid, (K.THREADS, 1, 1), args)
+
+            ms = _median_ms(push, reps, inner)
+            out.append({"unroll": unroll, "min_blocks": min_blocks, "regs": fn.num_regs,
+                        "grid": grid[0], "ms": ms, "vs_copy": base / ms,
+                        "GBps": 2 * live * row_bytes / (ms * 1e-3) / 1e9})
+    for t in transports:
+        t.close()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--inner", type=int, default=10)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--variants", action="store_true")
     args = parser.parse_args()
     results = [run_case(*case, args.reps, args.inner) for case in CASES]
     print(f"\nexchange copy kernels vs torch on {torch.cuda.get_device_name(0)} "
@@ -133,9 +189,20 @@ def main() -> None:
               f"{r['copy_out_GBps']:8.0f} {r['torch_copy_GBps']:8.0f} "
               f"{r['torch_index_select_GBps']:8.0f} {r['push_vs_copy']:10.3f} "
               f"{r['push_vs_index_select']:9.3f} {r['copy_out_vs_copy']:9.3f}")
+    tuned = []
+    if args.variants:
+        for live, rows, row_bytes in CASES[:3]:
+            tuned += [dict(v, row_bytes=row_bytes) for v in
+                      variants(live, rows, row_bytes, args.reps, args.inner)]
+        print(f"\n{'row B':>6s} {'unroll':>6s} {'minblk':>6s} {'regs':>5s} {'grid':>5s} "
+              f"{'GB/s':>7s} {'vs copy_':>8s}")
+        for v in tuned:
+            print(f"{v['row_bytes']:6d} {v['unroll']:6d} {v['min_blocks']:6d} {v['regs']:5d} "
+                  f"{v['grid']:5d} {v['GBps']:7.0f} {v['vs_copy']:8.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "results": results}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(0), "results": results,
+                       "variants": tuned}, f, indent=1)
 
 
 if __name__ == "__main__":

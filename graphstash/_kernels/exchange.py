@@ -20,6 +20,7 @@ from ._library import kernel_op
 
 _MODULE = "moe_exchange"
 _UNROLL = 4                       # GS_XCHG_UNROLL
+_INT32_MAX = 2**31 - 1            # rows, items and windows are int32 in the push kernels
 
 register_source(_MODULE, "moe_exchange.cu",
                 ("gs_xchg_barrier", "gs_xchg_counts", "gs_xchg_map", "gs_xchg_flags")
@@ -31,16 +32,18 @@ def _no_ptr() -> np.uint64:
 
 
 def _barrier(table: torch.Tensor, state: torch.Tensor, region: torch.Tensor, world_size: int,
-             rank: int, timeout_ns: int) -> None:
+             rank: int, timeout_ns: int, status: torch.Tensor | None) -> None:
     """Launch ``gs_xchg_barrier`` (one block): raise this rank's next epoch at every rank and
     wait for theirs, at most ``timeout_ns`` (NOTE [exchange signals], [exchange timeout]).
 
     Args:
         table: int64 ``[XF_FIELDS, W]`` peer addresses; state: int64 ``[XS_SIZE]`` private
             state; region: uint8 ``[nbytes]`` this rank's region (all on this device).
+        status: int32 ``[8]`` that gets ``OVERFLOW_EXCHANGE`` if the exchange failed, or None.
     """
     launch(_MODULE, "gs_xchg_barrier", 1, state.device.index,
-           (ptr(table), ptr(state), np.int32(world_size), np.int32(rank), np.int64(timeout_ns)))
+           (ptr(table), ptr(state), np.int32(world_size), np.int32(rank), np.int64(timeout_ns),
+            ptr(status) if status is not None else _no_ptr()))
 
 
 def _exchange_counts(table: torch.Tensor, state: torch.Tensor, region: torch.Tensor,
@@ -127,10 +130,11 @@ def _exchange_push(table: torch.Tensor, state: torch.Tensor, region: torch.Tenso
     launch(_MODULE, f"gs_xchg_push_v{width}", max(1, -(-items * lanes // THREADS)),
            state.device.index,
            (ptr(table), ptr(state), np.int32(world_size), np.int32(rank), np.int32(field),
-            ptr(src), np.int64(rows), ptr(src_index) if src_index is not None else _no_ptr(),
-            ptr(dest_peer), ptr(dest_row), ptr(count), np.int64(items),
-            np.int64(vec_per_row), np.int32(lanes.bit_length() - 1), np.int64(window_lo),
-            np.int64(window_hi), np.int64(capacity_rows)))
+            ptr(src), np.int32(rows), ptr(src_index) if src_index is not None else _no_ptr(),
+            ptr(dest_peer), ptr(dest_row), ptr(count), np.int32(items),
+            np.int32(vec_per_row), np.int32(lanes.bit_length() - 1),
+            np.int32(min(window_lo, _INT32_MAX)), np.int32(min(window_hi, _INT32_MAX)),
+            np.int32(capacity_rows)))
 
 
 def _exchange_flags(table: torch.Tensor, state: torch.Tensor, region: torch.Tensor,
@@ -142,7 +146,8 @@ def _exchange_flags(table: torch.Tensor, state: torch.Tensor, region: torch.Tens
             ptr(flags), np.int32(flags.numel())))
 
 
-barrier = kernel_op("exchange_barrier", _barrier, mutates_args=("state", "region"), cpu=None)
+barrier = kernel_op("exchange_barrier", _barrier, mutates_args=("state", "region", "status"),
+                    cpu=None)
 exchange_counts = kernel_op(
     "exchange_counts", _exchange_counts, cpu=None,
     mutates_args=("state", "region", "status", "cube", "work", "tokens_per_expert",

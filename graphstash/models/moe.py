@@ -127,7 +127,7 @@ class MoEBlock(nn.Module):
         return idx, weight.to(x.dtype)
 
     def forward(self, x: torch.Tensor, *, mode: str, group=None, stash_manager=None,
-                status=None) -> torch.Tensor:
+                status=None, exchange=None) -> torch.Tensor:
         c = self.config
         if self.attn is not None:
             x = self.attn(x, c.seq_len)
@@ -148,11 +148,12 @@ class MoEBlock(nn.Module):
             budget = budget_rows(x.shape[0] * world, c.topk, c.num_experts,
                                  capacity_factor=c.capacity_factor, pad_multiple=c.pad_multiple,
                                  world_size=world)
-            if group is not None and c.chunk_factor is not None:
+            if group is not None and c.chunk_factor is not None and exchange is None:
                 chunk = max(1, math.ceil(c.chunk_factor * x.shape[0] * c.topk / world))
         permuted, counts, handle = dispatch(h, idx, weight, c.num_experts, budget=budget,
-                                            pad_multiple=c.pad_multiple, group=group,
-                                            chunk_rows=chunk, status=status)
+                                            pad_multiple=c.pad_multiple,
+                                            group=None if exchange is not None else group,
+                                            chunk_rows=chunk, status=status, exchange=exchange)
         if mode == "stash":
             from ..stash import stash_activations
 
@@ -178,6 +179,32 @@ class MoEBlock(nn.Module):
         return combine(y, handle, weighted=False)
 
 
+def exchange_for(config: MoEConfig, group, device, dtype):
+    """The live-row exchange transport of a model of ``config`` over ``group`` (a
+    collective), sized for this rank's budget and pairs and rows of ``dtype`` (float32 when
+    None, so a later ``.to(bfloat16)`` fits); None, with a warning, where no transport can be
+    built (the dispatch then keeps NCCL's fixed chunks)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from ..moe.exchange import build_transport
+
+    world = dist.get_world_size(group)
+    budget = budget_rows(config.num_tokens * world, config.topk, config.num_experts,
+                         capacity_factor=config.capacity_factor,
+                         pad_multiple=config.pad_multiple, world_size=world)
+    element = torch.empty((), dtype=dtype or torch.float32).element_size()
+    try:
+        return build_transport(group, capacity_rows=max(budget, config.num_tokens * config.topk),
+                               row_bytes=config.hidden * element,
+                               max_experts=config.num_experts, device=device)
+    except ValueError as exc:
+        warnings.warn(f"MoEModel: no live-row exchange here ({exc}); the dispatch sends NCCL's "
+                      "fixed chunks", RuntimeWarning, stacklevel=3)
+        return None
+
+
 class MoEModel(nn.Module):
     """``layers`` MoE blocks over ``[num_tokens, hidden]`` tokens.
 
@@ -186,6 +213,12 @@ class MoEModel(nn.Module):
         mode: ``"dropless"``, ``"budget"``, ``"stash"`` or ``"plain"`` (see the module
             docstring).
         group: ``torch.distributed`` group for expert parallelism (``None``: one device).
+        exchange: how tokens travel under ``group``: ``"auto"`` (default) builds the live-row
+            exchange's transport here (:func:`graphstash.moe.exchange.build_transport`:
+            symmetric memory, CUDA IPC on one GPU, gloo on the CPU; a collective) and keeps
+            NCCL's fixed chunks where none can be built; a
+            :class:`~graphstash.moe.exchange.Transport` to use that one; None for the chunks.
+            :attr:`exchange_kind` says which runs.
         stash_manager: ``graphstash.stash.StashManager`` for ``mode="stash"`` (default: the
             one ``stash_activations`` picks).
         status: int32 ``[8]`` status for every dispatch (default: the per-device default).
@@ -208,7 +241,7 @@ class MoEModel(nn.Module):
 
     def __init__(self, config: MoEConfig, *, mode: str = "budget", group=None,
                  stash_manager=None, status=None, seed: int = 0, device=None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, exchange="auto"):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -237,6 +270,20 @@ class MoEModel(nn.Module):
                                         for _ in range(config.layers))
         self.norm = nn.RMSNorm(config.hidden, device=device, dtype=dtype)
         self.to(device=device, dtype=dtype)          # attention's modules, made on the CPU
+        self.exchange = None
+        if group is not None and mode != "plain" and exchange is not None:
+            self.exchange = (exchange_for(config, group, device, dtype) if exchange == "auto"
+                             else exchange)
+
+    @property
+    def exchange_kind(self) -> str:
+        """Which expert-parallel exchange runs: ``"one device"``, ``"nccl chunks"``, or the
+        live-row exchange's transport (``"live rows over ipc"``, ``"... symmetric"``, ...)."""
+        if self.group is None:
+            return "one device"
+        if self.exchange is None:
+            return "nccl chunks" if self.mode != "plain" else "all_to_all (plain peer)"
+        return f"live rows over {self.exchange.kind}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run every block over ``x`` (``[num_tokens, hidden]``, the model's device and dtype); same shape out."""
@@ -248,5 +295,5 @@ class MoEModel(nn.Module):
                              f"seq_len={self.config.seq_len}, got {x.shape[0]}")
         for block in self.blocks:
             x = block(x, mode=self.mode, group=self.group, stash_manager=self.stash_manager,
-                      status=self.status)
+                      status=self.status, exchange=self.exchange)
         return self.norm(x)

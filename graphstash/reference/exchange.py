@@ -142,11 +142,13 @@ def exchange_map(work: torch.Tensor, cube: torch.Tensor, world_size: int, rank: 
 
 
 # ---- the collectives, over gloo --------------------------------------------------------------
-def barrier(state: torch.Tensor, world_size: int) -> None:
-    """What ``gs_xchg_barrier`` counts: one epoch, ``8 x W`` signal bytes. gloo's collectives
-    are synchronous, so nothing else has to wait."""
+def barrier(state: torch.Tensor, world_size: int, status: torch.Tensor | None = None) -> None:
+    """What ``gs_xchg_barrier`` counts: one epoch, ``8 x W`` signal bytes, and the failure in
+    ``status``. gloo's collectives are synchronous, so nothing else has to wait."""
     state[X.XS_EPOCH] += 1
     state[X.XS_META_BYTES] += 8 * world_size
+    if status is not None and int(state[X.XS_ERROR]) != 0:
+        status.narrow(0, L.SS_OVERFLOW, 1).bitwise_or_(L.OVERFLOW_EXCHANGE)
 
 
 def exchange_counts(group, rank: int, world_size: int, state: torch.Tensor,

@@ -37,10 +37,10 @@ def _dispatch_direction(plan: ExchangePlan, moe_ops, moves, *, fresh: bool) -> N
     R = plan.budget_rows
     for i, (lo, hi) in enumerate(plan.windows):
         if i or not fresh:
-            t.barrier()
+            t.barrier(plan.status)
         for field, src, index, _ in moves:
             t.push(field, src, index, plan.slot_peer, plan.slot_row, plan.live_slots, lo, hi)
-        t.barrier()
+        t.barrier(plan.status)
         top = min(hi, R)
         if top <= lo:
             continue
@@ -58,11 +58,11 @@ def _combine_direction(plan: ExchangePlan, moves) -> None:
     holds its own slots (``[T * K, width]`` of each field moved). ``moves``: ``(field,
     src [R, width])``."""
     t = plan.transport
-    t.barrier()
+    t.barrier(plan.status)
     for field, src in moves:
         t.push(field, src, None, plan.row_peer, plan.row_slot, plan.live_rows, 0,
                t.capacity_rows)
-    t.barrier()
+    t.barrier(plan.status)
 
 
 class _DispatchExchange(torch.autograd.Function):

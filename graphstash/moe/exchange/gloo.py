@@ -29,8 +29,8 @@ class GlooTransport(Transport):
         rows = self.capacity_rows
         return self.region[start:start + rows * row_bytes].view(rows, row_bytes)
 
-    def barrier(self) -> None:
-        ref.barrier(self.state, self.world_size)
+    def barrier(self, status: torch.Tensor | None = None) -> None:
+        ref.barrier(self.state, self.world_size, status)
 
     def exchange_counts(self, send_counts, num_experts, budget, pad_multiple, row_bytes,
                         bad_index, status, *, cube, work, tokens_per_expert, live_rows,

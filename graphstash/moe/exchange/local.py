@@ -1,12 +1,21 @@
 """In-process transports: W ranks inside one process, each table pointing at that process's
 own regions (NOTE [exchange transport]).
 
-For one GPU where processes cannot share spin-waits at a usable speed (a GPU time-slices
-between processes: a rank spinning in a barrier holds the GPU while its peer waits for its
-slice), the same kernels run for W ranks in one process, one CUDA stream (and one host
-thread) per rank, so their kernels run side by side. Every rank must issue its exchanges from
-its own thread: a barrier waits on the device for the other ranks' kernels, which only their
-threads launch.
+NOTE [in-process ranks]: processes sharing one GPU take turns on it (time slices): a rank
+spinning in a barrier holds the GPU until its slice ends, so every barrier between two
+processes costs about one slice (measured on an H100: 2.25 ms per barrier between two
+processes, 4.4 us between two streams of one process; ``benchmarks/probes/
+exchange_latency.py``, docs/exchange.md). For speed on one GPU the same kernels run for W ranks
+in one process, one CUDA stream and one host thread per rank, so their kernels run side by
+side. Each rank issues its exchanges from its own thread: a barrier waits on the device for
+the other ranks' kernels, which only their threads launch. Two things must not block a
+thread's host while its exchange is in flight: a device-wide synchronize
+(``torch.cuda.synchronize``, which ``torch.cuda.graph`` calls on entry: capture with
+``capture_begin`` on a side stream), and a host read inside backward (autograd runs every
+rank's CUDA backward on one device thread, so one rank blocked there stalls the others'
+backward, and with it its own exchange): capture the step and replay it, or run experts whose
+backward reads nothing back (bf16 on Hopper; an fp32 ``grouped_mm`` copies its offsets to the
+host).
 """
 from __future__ import annotations
 

@@ -53,6 +53,7 @@ class ExchangePlan:
     row_src: torch.Tensor             # [R] region row of each live received row, -1 padding
     row_peer: torch.Tensor            # [R] rank each received row came from, -1 none
     row_slot: torch.Tensor            # [R] its send slot there
+    status: torch.Tensor | None = None  # int32 [8] that every later barrier raises a failure in
     status_updated: bool = True       # gs_xchg_counts raised the status flags
 
     @property
@@ -128,7 +129,7 @@ def plan_exchange(topk_idx: torch.Tensor, num_experts: int, budget_rows: int | N
         bad_index=route.bad_index, cube=cube, work=work, tokens_per_expert=tpe, live_rows=live,
         demand_rows=demand, over_budget=over, pair_slot=pair_slot, slot_peer=slot_peer,
         slot_row=slot_row, slot_self=slot_self, row_src=row_src, row_peer=row_peer,
-        row_slot=row_slot)
+        row_slot=row_slot, status=status)
 
 
 def _dropless_rows(cube: torch.Tensor, transport: Transport, pad: int):

@@ -132,8 +132,10 @@ class Transport:
                              f"{self.capacity_rows} (build it with capacity_rows >= {rows})")
 
     # ---- operations (device side, capturable) -------------------------------------------
-    def barrier(self) -> None:
-        """Every rank's exchanges issued before it are done when it returns on the device."""
+    def barrier(self, status: torch.Tensor | None = None) -> None:
+        """Every rank's exchanges issued before it are done when it returns on the device.
+        ``status`` (int32 ``[8]``, or None) gets ``OVERFLOW_EXCHANGE`` if the exchange has
+        failed (NOTE [exchange timeout])."""
         raise NotImplementedError
 
     def exchange_counts(self, send_counts, num_experts, budget, pad_multiple, row_bytes,
@@ -272,9 +274,9 @@ class PeerTransport(Transport):
         from ..._kernels import exchange as ops
         return ops
 
-    def barrier(self) -> None:
+    def barrier(self, status: torch.Tensor | None = None) -> None:
         self._ops().barrier(self.table, self.state, self.region, self.world_size, self.rank,
-                            self.timeout_ns)
+                            self.timeout_ns, status)
 
     def exchange_counts(self, send_counts, num_experts, budget, pad_multiple, row_bytes,
                         bad_index, status, *, cube, work, tokens_per_expert, live_rows,
