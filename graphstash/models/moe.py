@@ -137,7 +137,9 @@ class MoEBlock(nn.Module):
             return x + plain_moe(h, idx, weight, self.w1, self.w2, c.num_experts,
                                  gated=c.gated, group=group)
         world = 1
-        if group is not None:
+        if exchange is not None:
+            world = exchange.world_size
+        elif group is not None:
             import torch.distributed as dist
 
             world = dist.get_world_size(group)
@@ -217,8 +219,9 @@ class MoEModel(nn.Module):
             exchange's transport here (:func:`graphstash.moe.exchange.build_transport`:
             symmetric memory, CUDA IPC on one GPU, gloo on the CPU; a collective) and keeps
             NCCL's fixed chunks where none can be built; a
-            :class:`~graphstash.moe.exchange.Transport` to use that one; None for the chunks.
-            :attr:`exchange_kind` says which runs.
+            :class:`~graphstash.moe.exchange.Transport` to use that one (its ranks are the
+            model's; ``group`` may then be None, as for in-process ranks); None for the
+            chunks. :attr:`exchange_kind` says which runs.
         stash_manager: ``graphstash.stash.StashManager`` for ``mode="stash"`` (default: the
             one ``stash_activations`` picks).
         status: int32 ``[8]`` status for every dispatch (default: the per-device default).
@@ -246,7 +249,9 @@ class MoEModel(nn.Module):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         world, rank = 1, 0
-        if group is not None:
+        if exchange not in (None, "auto"):              # a transport: its ranks (in-process too)
+            world, rank = exchange.world_size, exchange.rank
+        elif group is not None:
             import torch.distributed as dist
 
             world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -271,15 +276,19 @@ class MoEModel(nn.Module):
         self.norm = nn.RMSNorm(config.hidden, device=device, dtype=dtype)
         self.to(device=device, dtype=dtype)          # attention's modules, made on the CPU
         self.exchange = None
-        if group is not None and mode != "plain" and exchange is not None:
-            self.exchange = (exchange_for(config, group, device, dtype) if exchange == "auto"
-                             else exchange)
+        if exchange not in (None, "auto"):
+            if mode == "plain":
+                raise ValueError("exchange: the plain peer sends its rows with all_to_all; "
+                                 "pass exchange=None (or 'auto') with mode='plain'")
+            self.exchange = exchange
+        elif group is not None and mode != "plain" and exchange == "auto":
+            self.exchange = exchange_for(config, group, device, dtype)
 
     @property
     def exchange_kind(self) -> str:
         """Which expert-parallel exchange runs: ``"one device"``, ``"nccl chunks"``, or the
         live-row exchange's transport (``"live rows over ipc"``, ``"... symmetric"``, ...)."""
-        if self.group is None:
+        if self.group is None and self.exchange is None:
             return "one device"
         if self.exchange is None:
             return "nccl chunks" if self.mode != "plain" else "all_to_all (plain peer)"
