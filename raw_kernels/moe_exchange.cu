@@ -334,24 +334,36 @@ extern "C" __global__ void __launch_bounds__(GS_THREADS)
 // src_index[i] (or i) of src into rank dest_peer[i]'s field at row dest_row[i] - lo, when
 // that row is in the window [lo, hi) and the region (capacity rows); N-byte vectors, each
 // lane loading GS_XCHG_UNROLL before storing them, the next item's indices loaded while the
-// current row moves. Each block ends with __syncthreads and one __threadfence_system (NOTE
-// [exchange signals]) and adds its bytes and rows to the state, one atomic per counter.
+// current row moves. With ``extra`` (the router weights: elem2 bytes per row, 2, 4 or 8), the
+// group's first lane also copies extra[extra_index[i]] (or extra[i]) into field2 at the same
+// row: one launch moves a row and its weight. Each block ends with __syncthreads and one
+// __threadfence_system (NOTE [exchange signals]) and adds its bytes and rows to the state, one
+// atomic per counter.
 // ---------------------------------------------------------------------------------------
 struct PushItem {
-    int peer, row, src;
+    int peer, row, src, src2;
 };
 
-__device__ __forceinline__ PushItem push_item(long long item, long long n,
+__device__ __forceinline__ PushItem push_item(long long item, int n,
                                               const int* __restrict__ src_index,
+                                              const int* __restrict__ extra_index,
                                               const int* __restrict__ dest_peer,
                                               const int* __restrict__ dest_row) {
-    PushItem it{-1, -1, -1};
+    PushItem it{-1, -1, -1, -1};
     if (item < n) {
         it.peer = __ldg(dest_peer + item);
         it.row = __ldg(dest_row + item);
         it.src = src_index != nullptr ? __ldg(src_index + item) : static_cast<int>(item);
+        it.src2 = extra_index != nullptr ? __ldg(extra_index + item) : static_cast<int>(item);
     }
     return it;
+}
+
+__device__ __forceinline__ void copy_small(unsigned char* dst, const unsigned char* src, int bytes) {
+    if (bytes == 8) *reinterpret_cast<unsigned long long*>(dst) = *reinterpret_cast<const unsigned long long*>(src);
+    else if (bytes == 4) *reinterpret_cast<unsigned int*>(dst) = *reinterpret_cast<const unsigned int*>(src);
+    else if (bytes == 2) *reinterpret_cast<unsigned short*>(dst) = *reinterpret_cast<const unsigned short*>(src);
+    else for (int b = 0; b < bytes; ++b) dst[b] = src[b];
 }
 
 template <typename V>
@@ -360,7 +372,8 @@ __device__ void push_impl(const long long* __restrict__ table, long long* state,
                           const int* __restrict__ src_index, const int* __restrict__ dest_peer,
                           const int* __restrict__ dest_row, const int* __restrict__ count,
                           int max_items, int vec_per_row, int lanes_log2, int lo, int hi,
-                          int capacity) {
+                          int capacity, int field2, const unsigned char* __restrict__ extra,
+                          int extra_rows, const int* __restrict__ extra_index, int elem2) {
     __shared__ unsigned long long block_bytes[2];
     __shared__ unsigned long long block_rows;
     if (threadIdx.x == 0) {
@@ -374,11 +387,14 @@ __device__ void push_impl(const long long* __restrict__ table, long long* state,
     const int first = static_cast<int>((static_cast<long long>(blockIdx.x) * GS_THREADS + threadIdx.x) >> lanes_log2);
     const int groups = static_cast<int>((static_cast<long long>(gridDim.x) * GS_THREADS) >> lanes_log2);
     const int step = lanes * GS_XCHG_UNROLL;
-    unsigned int local = 0, remote = 0, moved = 0;       // rows; bytes = rows x row bytes
-    PushItem next = push_item(first, n, src_index, dest_peer, dest_row);
+    const unsigned long long row_bytes = static_cast<unsigned long long>(vec_per_row) * sizeof(V);
+    unsigned long long local = 0, remote = 0;
+    unsigned int moved = 0;
+    PushItem next = push_item(first, n, src_index, extra_index, dest_peer, dest_row);
     for (int item = first; item < n; item += groups) {
         const PushItem it = next;
-        next = push_item(static_cast<long long>(item) + groups, n, src_index, dest_peer, dest_row);
+        next = push_item(static_cast<long long>(item) + groups, n, src_index, extra_index,
+                         dest_peer, dest_row);
         if (it.peer < 0 || it.peer >= W || it.row < lo || it.row >= hi || it.row - lo >= capacity
             || it.src < 0 || it.src >= src_rows)
             continue;
@@ -399,14 +415,20 @@ __device__ void push_impl(const long long* __restrict__ table, long long* state,
             }
         }
         if (sub == 0) {
-            if (it.peer == me) ++local;
-            else ++remote;
+            unsigned long long b = row_bytes;
+            if (extra != nullptr && it.src2 >= 0 && it.src2 < extra_rows) {
+                copy_small(reinterpret_cast<unsigned char*>(table[field2 * W + it.peer])
+                               + static_cast<long long>(it.row - lo) * elem2,
+                           extra + static_cast<long long>(it.src2) * elem2, elem2);
+                b += elem2;
+            }
+            if (it.peer == me) local += b;
+            else remote += b;
+            ++moved;
         }
     }
-    moved = local + remote;
-    const unsigned long long row_bytes = static_cast<unsigned long long>(vec_per_row) * sizeof(V);
-    if (remote) atomicAdd(&block_bytes[0], remote * row_bytes);
-    if (local) atomicAdd(&block_bytes[1], local * row_bytes);
+    if (remote) atomicAdd(&block_bytes[0], remote);
+    if (local) atomicAdd(&block_bytes[1], local);
     if (moved) atomicAdd(&block_rows, static_cast<unsigned long long>(moved));
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -426,9 +448,11 @@ __device__ void push_impl(const long long* __restrict__ table, long long* state,
                           const V* src, int src_rows, const int* src_index,                    \
                           const int* dest_peer, const int* dest_row, const int* count,         \
                           int max_items, int vec_per_row, int lanes_log2, int lo, int hi,      \
-                          int capacity) {                                                      \
+                          int capacity, int field2, const unsigned char* extra,                \
+                          int extra_rows, const int* extra_index, int elem2) {                 \
         push_impl<V>(table, state, W, me, field, src, src_rows, src_index, dest_peer,          \
-                     dest_row, count, max_items, vec_per_row, lanes_log2, lo, hi, capacity);   \
+                     dest_row, count, max_items, vec_per_row, lanes_log2, lo, hi, capacity,    \
+                     field2, extra, extra_rows, extra_index, elem2);                           \
     }
 GS_PUSH(16, uint4)
 GS_PUSH(8, uint2)

@@ -268,9 +268,9 @@ def moe_model_case(transport, T: int, E: int, device, *, stash_steps: int = 6) -
             (ref(x).float() * torch.cat(projs)).sum().backward()
             ref_opt.step()
     stats = train_step.stats
-    assert stats.steps == stash_steps and stats.eager_reruns == 0, stats
+    assert stats.steps == stash_steps, stats        # a stash overflow reruns, updating once
     for p, q in zip(experts, ref_experts):
         torch.testing.assert_close(p.detach(), q.detach()[rank * El:(rank + 1) * El],
                                    rtol=1e-4, atol=1e-5)
-    return {"stash_steps": stats.steps, "replays": stats.replays,
+    return {"stash_steps": stats.steps, "replays": stats.replays, "reruns": stats.eager_reruns,
             "stash_pages_peak": stats.stash_pages_peak}

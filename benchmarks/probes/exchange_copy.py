@@ -4,7 +4,8 @@ For each case, ``live`` rows of ``row_bytes`` bytes (out of a ``rows``-row token
 by a random map as a dispatch picks them) are moved on one GPU:
 
 - ``push``: ``gs_xchg_push_v16`` gathers them by token index and writes them into the regions
-  of two ranks (in-process transports: half the rows each), as a dispatch does;
+  of two ranks (in-process transports: half the rows each), as a dispatch does; ``push+w``
+  the same launch also moving each row's router weight (bf16), as the dispatch runs it;
 - ``copy_out``: graphstash's gather kernel copies a region's live rows into a permuted buffer
   (zeros past them), as the receiver does;
 - torch: ``dst[:n].copy_(src[:n])`` (a contiguous copy of the same bytes: the bar the stash
@@ -36,7 +37,6 @@ CASES = [  # (live rows, token rows, row bytes): Qwen3-30B-A3B, Mixtral-8x7B, De
     (45875, 65536, 4096),
     (11468, 16384, 8192),
     (11468, 16384, 14336),
-    (45875, 65536, 2),          # router weights (bf16)
 ]
 
 
@@ -80,8 +80,9 @@ def run_case(live: int, rows: int, row_bytes: int, reps: int, inner: int) -> dic
     peer = (torch.arange(live, device=device) % 2).to(torch.int32)
     dest = (torch.arange(live, device=device) // 2).to(torch.int32)
     count = torch.tensor([live], dtype=torch.int32, device=device)
-    field = X.XF_ROWS if row_bytes > 8 else X.XF_WEIGHTS
+    field = X.XF_ROWS
     received = t0.field_view(field, dtype, width, rows)
+    weights = torch.rand(rows, device=device, generator=gen).to(dtype)
     out = torch.empty(rows, width, dtype=dtype, device=device)
     back = torch.full((rows,), -1, dtype=torch.int32, device=device)
     back[:live] = torch.arange(live, dtype=torch.int32, device=device)
@@ -89,6 +90,10 @@ def run_case(live: int, rows: int, row_bytes: int, reps: int, inner: int) -> dic
 
     def push():
         t0.push(field, src, token, peer, dest, count, 0, rows)
+
+    def push_w():
+        t0.push(field, src, token, peer, dest, count, 0, rows, weights=weights,
+                weights_index=token)
 
     def copy_out():
         moe_ops.gather_rows(out, received, back)
@@ -103,7 +108,7 @@ def run_case(live: int, rows: int, row_bytes: int, reps: int, inner: int) -> dic
 
     moved = 2 * live * row_bytes
     ms = {name: _median_ms(fn, reps, inner) for name, fn in
-          (("push", push), ("copy_out", copy_out), ("torch_copy", torch_copy),
+          (("push", push), ("push_w", push_w), ("copy_out", copy_out), ("torch_copy", torch_copy),
            ("torch_index_select", torch_gather))}
     t0.check()
     gbps = {f"{k}_GBps": moved / (v * 1e-3) / 1e9 for k, v in ms.items()}
@@ -111,6 +116,7 @@ def run_case(live: int, rows: int, row_bytes: int, reps: int, inner: int) -> dic
     result = {"live": live, "rows": rows, "row_bytes": row_bytes, **{f"{k}_ms": v for k, v in
                                                                       ms.items()}, **gbps}
     result["push_vs_copy"] = ms["torch_copy"] / ms["push"]
+    result["push_w_vs_copy"] = ms["torch_copy"] / ms["push_w"]
     result["push_vs_index_select"] = ms["torch_index_select"] / ms["push"]
     result["copy_out_vs_copy"] = ms["torch_copy"] / ms["copy_out"]
     for t in transports:
@@ -120,9 +126,12 @@ def run_case(live: int, rows: int, row_bytes: int, reps: int, inner: int) -> dic
 
 def variants(live: int, rows: int, row_bytes: int, reps: int, inner: int) -> list[dict]:
     """The 16-byte push compiled with other unroll / min-blocks values, same arguments."""
+    import warnings
+
     import cupy
     import numpy as np
 
+    warnings.filterwarnings("ignore", category=DeprecationWarning)   # cupy's ExternalStream
     from graphstash import _kernels as K
     from graphstash._kernels.exchange import lanes_per_row
     from graphstash.moe.exchange import build_local_transports
@@ -157,7 +166,8 @@ def variants(live: int, rows: int, row_bytes: int, reps: int, inner: int) -> lis
                     np.int32(X.XF_ROWS), K.ptr(src), np.int32(rows), K.ptr(token), K.ptr(peer),
                     K.ptr(dest), K.ptr(count), np.int32(live), np.int32(vec),
                     np.int32(lanes.bit_length() - 1), np.int32(0), np.int32(rows),
-                    np.int32(rows))
+                    np.int32(rows), np.int32(X.XF_WEIGHTS), np.uint64(0), np.int32(0),
+                    np.uint64(0), np.int32(0))
 
             def push():
                 with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
@@ -182,16 +192,18 @@ def main() -> None:
     results = [run_case(*case, args.reps, args.inner) for case in CASES]
     print(f"\nexchange copy kernels vs torch on {torch.cuda.get_device_name(0)} "
           f"(GB/s of live bytes read + written; ratio = torch time / ours)")
-    print(f"{'live':>7s} {'row B':>6s} {'push':>8s} {'copy_out':>8s} {'copy_':>8s} "
-          f"{'idx_sel':>8s} {'push/copy_':>10s} {'push/idx':>9s} {'out/copy_':>9s}")
+    print(f"{'live':>7s} {'row B':>6s} {'push':>8s} {'push+w':>8s} {'copy_out':>8s} "
+          f"{'copy_':>8s} {'idx_sel':>8s} {'push/copy_':>10s} {'push+w/copy_':>12s} "
+          f"{'push/idx':>9s} {'out/copy_':>9s}")
     for r in results:
         print(f"{r['live']:7d} {r['row_bytes']:6d} {r['push_GBps']:8.0f} "
-              f"{r['copy_out_GBps']:8.0f} {r['torch_copy_GBps']:8.0f} "
+              f"{r['push_w_GBps']:8.0f} {r['copy_out_GBps']:8.0f} {r['torch_copy_GBps']:8.0f} "
               f"{r['torch_index_select_GBps']:8.0f} {r['push_vs_copy']:10.3f} "
-              f"{r['push_vs_index_select']:9.3f} {r['copy_out_vs_copy']:9.3f}")
+              f"{r['push_w_vs_copy']:12.3f} {r['push_vs_index_select']:9.3f} "
+              f"{r['copy_out_vs_copy']:9.3f}")
     tuned = []
     if args.variants:
-        for live, rows, row_bytes in CASES[:3]:
+        for live, rows, row_bytes in CASES:
             tuned += [dict(v, row_bytes=row_bytes) for v in
                       variants(live, rows, row_bytes, args.reps, args.inner)]
         print(f"\n{'row B':>6s} {'unroll':>6s} {'minblk':>6s} {'regs':>5s} {'grid':>5s} "

@@ -32,6 +32,10 @@ from graphstash.models.moe import MoEModel, preset  # noqa: E402
 from graphstash.moe import budget_rows  # noqa: E402
 
 
+def _say(*parts) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
 def _batch(config, rank: int, step: int, device):
     gen = torch.Generator(device=device).manual_seed(1000 * step + rank)
     x = torch.randn(config.num_tokens, config.hidden, device=device, generator=gen)
@@ -98,6 +102,7 @@ def run(args) -> dict:
         _eager(model, opt, x)
     graph, _ = _captured(model, opt, None, x, device)
     one_ms = statistics.median(_time_replays(graph, args.steps))
+    _say(f"one device: {one_ms:.2f} ms per step")
     del graph, model, opt
     torch.cuda.empty_cache()
 
@@ -118,8 +123,10 @@ def run(args) -> dict:
                 for _ in range(2):
                     _eager(m, o, xr)
                 torch.cuda.current_stream().synchronize()
+                _say(f"rank {rank}: eager warmup done")
                 with lock:
                     g, status = _captured(m, o, t, xr, device)
+                _say(f"rank {rank}: captured")
                 captured.wait()
                 g.replay()
                 torch.cuda.current_stream().synchronize()

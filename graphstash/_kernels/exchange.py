@@ -106,7 +106,8 @@ def _exchange_push(table: torch.Tensor, state: torch.Tensor, region: torch.Tenso
                    world_size: int, rank: int, field: int, field_base: int, src: torch.Tensor,
                    src_index: torch.Tensor | None, dest_peer: torch.Tensor,
                    dest_row: torch.Tensor, count: torch.Tensor, window_lo: int, window_hi: int,
-                   capacity_rows: int) -> None:
+                   capacity_rows: int, extra_field: int, extra: torch.Tensor | None,
+                   extra_index: torch.Tensor | None) -> None:
     """Launch ``gs_xchg_push_v*``: copy the live rows of ``src`` into the peers' ``field``.
 
     Args:
@@ -118,6 +119,10 @@ def _exchange_push(table: torch.Tensor, state: torch.Tensor, region: torch.Tenso
             count: int32 ``[1]`` live items (read on the device).
         window_lo, window_hi: only rows in ``[lo, hi)`` are sent, to row ``row - lo``.
         capacity_rows: rows of the field.
+        extra_field, extra, extra_index: with ``extra`` (``[N2]`` or ``[N2, 1]`` of 2, 4 or 8
+            bytes per element, contiguous), each item also copies ``extra[extra_index[i]]``
+            (or ``extra[i]``) into ``extra_field`` at the same row (the router weights beside
+            their rows: one launch).
     """
     rows = src.shape[0]
     items = dest_peer.shape[0]
@@ -134,7 +139,11 @@ def _exchange_push(table: torch.Tensor, state: torch.Tensor, region: torch.Tenso
             ptr(dest_peer), ptr(dest_row), ptr(count), np.int32(items),
             np.int32(vec_per_row), np.int32(lanes.bit_length() - 1),
             np.int32(min(window_lo, _INT32_MAX)), np.int32(min(window_hi, _INT32_MAX)),
-            np.int32(capacity_rows)))
+            np.int32(capacity_rows), np.int32(extra_field),
+            ptr(extra) if extra is not None else _no_ptr(),
+            np.int32(extra.shape[0] if extra is not None else 0),
+            ptr(extra_index) if extra_index is not None else _no_ptr(),
+            np.int32(extra.element_size() if extra is not None else 0)))
 
 
 def _exchange_flags(table: torch.Tensor, state: torch.Tensor, region: torch.Tensor,

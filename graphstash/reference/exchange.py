@@ -192,7 +192,7 @@ def _record_error(state: torch.Tensor, code: int, peer: int) -> None:
 def push_rows(group, rank: int, world_size: int, state: torch.Tensor, field: torch.Tensor,
               src: torch.Tensor, src_index: torch.Tensor | None, dest_peer: torch.Tensor,
               dest_row: torch.Tensor, count: torch.Tensor, window_lo: int,
-              window_hi: int) -> None:
+              window_hi: int, extra=None) -> None:
     """``gs_xchg_push`` over gloo: item ``i < count`` sends row ``src_index[i]`` (or ``i``) of
     ``src`` to rank ``dest_peer[i]``, which writes it at row ``dest_row[i] - window_lo`` of its
     ``field`` (uint8 ``[capacity_rows, row_bytes]``, this rank's, ``row_bytes`` those of a
@@ -202,6 +202,9 @@ def push_rows(group, rank: int, world_size: int, state: torch.Tensor, field: tor
     Args:
         src: ``[N, ...]`` contiguous rows; dest_peer, dest_row: int32 ``[M]``; count: int32
             ``[1]``, how many of the M items are live.
+        extra: ``(field2, values, index)``: each sent item also sends ``values[index[i]]``
+            (or ``values[i]``; 2, 4 or 8 bytes), written at the same row of ``field2`` (uint8
+            ``[capacity_rows, element bytes]``), as the push kernel moves a row's weight.
     """
     import torch.distributed as dist
 
@@ -229,9 +232,27 @@ def push_rows(group, rank: int, world_size: int, state: torch.Tensor, field: tor
     dist.all_to_all_single(recv_data, send_data, splits_out, splits_in, group=group)
     if recv_rows.numel():
         field[recv_rows] = recv_data.view(torch.uint8).view(-1, row_bytes)
+    sent_bytes = torch.full((picked.numel(),), row_bytes, dtype=torch.int64)
+    if extra is not None:
+        field2, values, index = extra
+        elem = values.element_size()
+        flat = values.contiguous().view(torch.uint8).view(-1, elem)
+        s2 = (index[:n].to(torch.int64) if index is not None else torch.arange(n))[picked]
+        ok2 = (s2 >= 0) & (s2 < flat.shape[0])
+        sent_bytes += ok2.to(torch.int64) * elem
+        counts2 = torch.bincount(peer[picked][ok2], minlength=W)
+        recv2 = torch.empty_like(counts2)
+        dist.all_to_all_single(recv2, counts2, group=group)
+        out2, in2 = recv2.tolist(), counts2.tolist()
+        rows2 = torch.empty(int(recv2.sum()), dtype=torch.int64)
+        dist.all_to_all_single(rows2, send_rows[ok2].contiguous(), out2, in2, group=group)
+        data2 = torch.empty(rows2.shape[0], elem, dtype=torch.uint8)
+        dist.all_to_all_single(data2, flat[s2[ok2]].contiguous(), out2, in2, group=group)
+        if rows2.numel():
+            field2[rows2] = data2
     mine = peer[picked] == rank
-    state[X.XS_ROW_BYTES_LOCAL] += int(mine.sum()) * row_bytes
-    state[X.XS_ROW_BYTES_REMOTE] += int((~mine).sum()) * row_bytes
+    state[X.XS_ROW_BYTES_LOCAL] += int(sent_bytes[mine].sum())
+    state[X.XS_ROW_BYTES_REMOTE] += int(sent_bytes[~mine].sum())
     state[X.XS_ROWS_SENT] += picked.numel()
 
 

@@ -15,7 +15,8 @@ barrier only after its own copy-out in stream order.
 Moves in the dispatch direction follow ``slot_peer`` / ``slot_row`` (only live, kept pairs),
 in the combine direction ``row_peer`` / ``row_slot`` (only live, non-padding rows). The router
 weights travel beside the rows in the same round (the ``WEIGHTS`` field), so
-``permuted_weights()`` costs no exchange of its own.
+``permuted_weights()`` costs no exchange of its own (the push kernel copies a row's weight
+with the row, in the same launch).
 """
 from __future__ import annotations
 
@@ -29,39 +30,48 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _dispatch_direction(plan: ExchangePlan, moe_ops, moves, *, fresh: bool) -> None:
+def _dispatch_direction(plan: ExchangePlan, moe_ops, rows, weights=None, *,
+                        fresh: bool) -> None:
     """Push rows from senders to their receivers and copy them out (NOTE [receive buffer
-    lifetime]). ``moves``: ``(field, src [N, width], src_index [P] or None, out [R, width])``;
+    lifetime]). ``rows``: ``(src [N, H], src_index [P] or None, out [R, H])``; ``weights``
+    (optional): ``(src [N2], src_index [P] or None, out [R])``, moved in the same launch;
     ``fresh``: the count barrier just passed, so the first round needs no barrier of its own."""
     t = plan.transport
     R = plan.budget_rows
+    src, index, out = rows
+    w_src, w_index, w_out = weights if weights is not None else (None, None, None)
     for i, (lo, hi) in enumerate(plan.windows):
         if i or not fresh:
             t.barrier(plan.status)
-        for field, src, index, _ in moves:
-            t.push(field, src, index, plan.slot_peer, plan.slot_row, plan.live_slots, lo, hi)
+        t.push(X.XF_ROWS, src, index, plan.slot_peer, plan.slot_row, plan.live_slots, lo, hi,
+               weights=w_src, weights_index=w_index)
         t.barrier(plan.status)
         top = min(hi, R)
         if top <= lo:
             continue
-        index = plan.row_src
+        where = plan.row_src
         if (lo, top) != (0, R):
             window = plan.row_src[lo:top]
-            index = torch.where(window >= 0, window - lo, window)
-        for field, _, _, out in moves:
-            view = t.field_view(field, out.dtype, out.shape[1], top - lo)
-            moe_ops.gather_rows(out[lo:top], view, index)
+            where = torch.where(window >= 0, window - lo, window)
+        moe_ops.gather_rows(out[lo:top], t.field_view(X.XF_ROWS, out.dtype, out.shape[1],
+                                                      top - lo), where)
+        if w_out is not None:
+            moe_ops.gather_rows(w_out.view(-1, 1)[lo:top],
+                                t.field_view(X.XF_WEIGHTS, w_out.dtype, 1, top - lo), where)
 
 
-def _combine_direction(plan: ExchangePlan, moves) -> None:
-    """Push each live received row back to its sender's slot; afterwards this rank's region
-    holds its own slots (``[T * K, width]`` of each field moved). ``moves``: ``(field,
-    src [R, width])``."""
+def _combine_direction(plan: ExchangePlan, rows=None, weights=None) -> None:
+    """Push each live received row (``rows``, ``[R, H]``) and/or its weight (``weights``,
+    ``[R]``) back to its sender's slot, in one launch; afterwards this rank's region holds its
+    own slots (``[T * K, H]`` rows, ``[T * K]`` weights)."""
     t = plan.transport
     t.barrier(plan.status)
-    for field, src in moves:
-        t.push(field, src, None, plan.row_peer, plan.row_slot, plan.live_rows, 0,
-               t.capacity_rows)
+    if rows is not None:
+        t.push(X.XF_ROWS, rows, None, plan.row_peer, plan.row_slot, plan.live_rows, 0,
+               t.capacity_rows, weights=weights)
+    elif weights is not None:
+        t.push(X.XF_WEIGHTS, weights.view(-1, 1), None, plan.row_peer, plan.row_slot,
+               plan.live_rows, 0, t.capacity_rows)
     t.barrier(plan.status)
 
 
@@ -76,10 +86,9 @@ class _DispatchExchange(torch.autograd.Function):
         R = plan.budget_rows
         permuted = x.new_empty(R, x.shape[1])
         row_weight = topk_weight.new_empty(R)
-        _dispatch_direction(plan, moe_ops, [
-            (X.XF_ROWS, x.detach().contiguous(), plan.token_of_slot, permuted),
-            (X.XF_WEIGHTS, topk_weight.detach().reshape(-1, 1).contiguous(), plan.pair_of_slot,
-             row_weight.view(R, 1))], fresh=True)
+        _dispatch_direction(plan, moe_ops, (x.detach().contiguous(), plan.token_of_slot, permuted),
+                            (topk_weight.detach().reshape(-1).contiguous(), plan.pair_of_slot,
+                             row_weight), fresh=True)
         return permuted, row_weight
 
     @staticmethod
@@ -91,16 +100,16 @@ class _DispatchExchange(torch.autograd.Function):
         T, H = ctx.x_shape
         R, P, t = plan.budget_rows, plan.pairs, plan.transport
         device = plan.live_rows.device
-        moves = []
+        rows = weights = None
         if need_x:
             if grad_rows is None:
                 grad_rows = torch.zeros(R, H, dtype=ctx.x_dtype, device=device)
-            moves.append((X.XF_ROWS, grad_rows.contiguous()))
+            rows = grad_rows.contiguous()
         if need_w:
             if grad_weight is None:
                 grad_weight = torch.zeros(R, dtype=ctx.w_dtype, device=device)
-            moves.append((X.XF_WEIGHTS, grad_weight.reshape(R, 1).contiguous()))
-        _combine_direction(plan, moves)
+            weights = grad_weight.reshape(R).contiguous()
+        _combine_direction(plan, rows, weights)
         grad_x = grad_w = None
         if need_x:              # each token: the unweighted sum of its kept pairs' rows
             grad_x = torch.empty(T, H, dtype=ctx.x_dtype, device=device)
@@ -124,7 +133,7 @@ class _CombineExchange(torch.autograd.Function):
         ctx.y_shape, ctx.y_dtype = y.shape, y.dtype
         H = y.shape[1]
         P, t = plan.pairs, plan.transport
-        _combine_direction(plan, [(X.XF_ROWS, y.detach().contiguous())])
+        _combine_direction(plan, y.detach().contiguous())
         received = t.field_view(X.XF_ROWS, y.dtype, H, P)
         out = y.new_empty(plan.num_tokens, H)
         ctx.weighted = topk_weight is not None
@@ -164,7 +173,7 @@ class _CombineExchange(torch.autograd.Function):
             else:
                 src, index = grad, plan.token_of_slot
             grad_y = torch.empty(R, H, dtype=ctx.y_dtype, device=device)
-            _dispatch_direction(plan, moe_ops, [(X.XF_ROWS, src, index, grad_y)], fresh=False)
+            _dispatch_direction(plan, moe_ops, (src, index, grad_y), fresh=False)
         if ctx.weighted and ctx.needs_input_grad[1]:
             flat = torch.empty(plan.pairs, dtype=_acc_dtype(grad.dtype), device=device)
             moe_ops.weight_grad(flat, grad, stage, plan.pair_slot)

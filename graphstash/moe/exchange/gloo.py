@@ -44,11 +44,16 @@ class GlooTransport(Transport):
     def exchange_map(self, *args) -> None:
         ref.exchange_map(*args)
 
-    def push(self, field, src, src_index, dest_peer, dest_row, count, window_lo, window_hi):
+    def push(self, field, src, src_index, dest_peer, dest_row, count, window_lo, window_hi,
+             weights=None, weights_index=None):
         row_bytes = math.prod(src.shape[1:]) * src.element_size()
+        extra = None
+        if weights is not None:
+            extra = (self._field_bytes(X.XF_WEIGHTS, weights.element_size()), weights,
+                     weights_index)
         ref.push_rows(self.group, self.rank, self.world_size, self.state,
                       self._field_bytes(field, row_bytes), src, src_index, dest_peer, dest_row,
-                      count, window_lo, window_hi)
+                      count, window_lo, window_hi, extra=extra)
 
     def _all_reduce_flags(self, flags: torch.Tensor) -> None:
         ref.all_reduce_flags_(self.group, self.world_size, self.state, flags)

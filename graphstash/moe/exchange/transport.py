@@ -148,8 +148,11 @@ class Transport:
         raise NotImplementedError
 
     def push(self, field: int, src: torch.Tensor, src_index, dest_peer, dest_row, count,
-             window_lo: int, window_hi: int) -> None:
-        """Copy the live rows of ``src`` into the ranks' ``field`` (a collective)."""
+             window_lo: int, window_hi: int, weights: torch.Tensor | None = None,
+             weights_index: torch.Tensor | None = None) -> None:
+        """Copy the live rows of ``src`` into the ranks' ``field`` (a collective); with
+        ``weights``, each row's weight into the ``XF_WEIGHTS`` field beside it (see the
+        ``exchange_push`` operator in ``graphstash/_kernels/exchange.py``)."""
         raise NotImplementedError
 
     def all_reduce_flags_(self, flags: torch.Tensor) -> None:
@@ -290,11 +293,12 @@ class PeerTransport(Transport):
     def exchange_map(self, *args) -> None:
         self._ops().exchange_map(*args)
 
-    def push(self, field, src, src_index, dest_peer, dest_row, count, window_lo, window_hi):
+    def push(self, field, src, src_index, dest_peer, dest_row, count, window_lo, window_hi,
+             weights=None, weights_index=None):
         self._ops().exchange_push(self.table, self.state, self.region, self.world_size,
                                   self.rank, field, self.field_address(field), src, src_index,
                                   dest_peer, dest_row, count, window_lo, window_hi,
-                                  self.capacity_rows)
+                                  self.capacity_rows, X.XF_WEIGHTS, weights, weights_index)
 
     def _all_reduce_flags(self, flags: torch.Tensor) -> None:
         self._ops().exchange_flags(self.table, self.state, self.region, self.world_size,
