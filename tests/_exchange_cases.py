@@ -122,6 +122,16 @@ def compare(mine, ref, rank: int, world: int, E: int, *, rtol=1e-5, atol=1e-6,
         torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"rank {rank} {n}: {m}")
 
 
+def assert_trained_close(mine: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Parameters after AdamW steps: ``||mine - want|| <= 1e-4 ||want||``. Adam divides each
+    gradient by its running magnitude, so rounding differences between GEMM implementations
+    (a captured Triton grouped GEMM against the eager reference's) grow where a gradient is
+    near zero; a row in the wrong place moves the norm by far more."""
+    diff = float((mine.detach().double() - want.detach().double()).norm())
+    scale = float(want.detach().double().norm())
+    assert diff <= 1e-4 * scale, f"{what}: ||diff|| = {diff:.3e}, ||reference|| = {scale:.3e}"
+
+
 def fitting_budget(T: int, world: int, E: int, pad) -> int:
     """A budget no routing exceeds: every pair of every rank."""
     return budget_rows(T * world, K, E, capacity_factor=float(world), pad_multiple=pad,
@@ -192,8 +202,7 @@ def graph_step_case(transport, E: int, T: int, steps: int, device, *, stash: boo
         (out * proj).sum().backward()
         ropt.step()
     for name, mine, full in (("w1", w1, r1), ("w2", w2, r2)):
-        torch.testing.assert_close(mine.detach(), full.detach()[rank * El:(rank + 1) * El],
-                                   rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {name}: {m}")
+        assert_trained_close(mine, full[rank * El:(rank + 1) * El], f"rank {rank} {name}")
     return {"steps": stats.steps, "replays": stats.replays, "reruns": stats.eager_reruns,
             "captures": stats.captures}
 
@@ -269,8 +278,7 @@ def moe_model_case(transport, T: int, E: int, device, *, stash_steps: int = 6) -
             ref_opt.step()
     stats = train_step.stats
     assert stats.steps == stash_steps, stats        # a stash overflow reruns, updating once
-    for p, q in zip(experts, ref_experts):
-        torch.testing.assert_close(p.detach(), q.detach()[rank * El:(rank + 1) * El],
-                                   rtol=1e-4, atol=1e-5)
+    for i, (p, q) in enumerate(zip(experts, ref_experts)):
+        assert_trained_close(p, q[rank * El:(rank + 1) * El], f"rank {rank} expert weight {i}")
     return {"stash_steps": stats.steps, "replays": stats.replays, "reruns": stats.eager_reruns,
             "stash_pages_peak": stats.stash_pages_peak}

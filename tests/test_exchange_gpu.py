@@ -165,7 +165,9 @@ def _graph_replays(transport, E: int, T: int, replays: int, captured=None) -> di
         transport.check()
         assert int(status[L.SS_OVER_BUDGET]) == 0 and int(status[L.SS_OVERFLOW]) == 0
         ref = reference(seed, world, T, E, DEVICE, skew=skew)
-        compare((out.detach(),) + tuple(g.clone() for g in grads), ref, rank, world, E)
+        # the captured experts run the Triton grouped GEMM, the eager reference torch's
+        compare((out.detach(),) + tuple(g.clone() for g in grads), ref, rank, world, E,
+                atol=1e-5)
         worst = max(worst, _max_rel(out.detach(), ref[0][0][rank]))
     return {"graph_replays": replays, "max_rel_replay_out": worst}
 
