@@ -34,6 +34,9 @@ def _info(args) -> int:
         device = torch.device("cpu")
     backend, why = _backend.resolve("auto", device)
     print(f"backend    {backend} for {device} tensors: {why}")
+    from graphstash.moe.exchange import describe_exchange
+
+    print(f"exchange   {describe_exchange()}")
     return 0
 
 

@@ -197,3 +197,52 @@ def test_gloo_exchange_four_ranks():
     from _ranks import run_ranks
 
     run_ranks(_gloo_ranks, 4, 8)
+
+
+def _hf_ranks(rank: int, world: int) -> None:
+    """transformers' Qwen3-MoE (tiny) with ``configure(group=..., num_tokens=...)``: the
+    experts' tokens travel through the live-row exchange (gloo here); each rank's logits,
+    loss and replicated gradients equal the one-device model's on its batch, its expert slice's
+    gradient the slice of the full gradient summed over the ranks."""
+    import torch.distributed as dist
+
+    import graphstash.integrations.transformers as gst
+    from _hf_models import batch, tiny_model, twin
+
+    gst.register()
+    ref = tiny_model("qwen3_moe", 5)
+    ours = twin(ref, gst.IMPLEMENTATION)
+    ids = batch(torch.Generator().manual_seed(90 + rank))
+    names = gst.configure(ours, capacity_factor=float(world), group=dist.group.WORLD,
+                          num_tokens=ids.numel())
+    modules = dict(ours.named_modules())
+    transports = {gst.settings_of(modules[n]).exchange for n in names}
+    assert len(transports) == 1 and next(iter(transports)).kind == "gloo", transports
+    got = ours(input_ids=ids, labels=ids)
+    got.loss.backward()
+    want = ref(input_ids=ids, labels=ids)
+    want.loss.backward()
+
+    def close(a, b, what):
+        scale = float(b.detach().abs().max().clamp(min=1e-30))
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * scale, msg=what)
+
+    close(got.logits, want.logits, "logits")
+    close(got.loss, want.loss, "loss")
+    local = ref.config.num_experts // world
+    experts = {f"{n}.{p}" for n in names for p in ("gate_up_proj", "down_proj")}
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
+        if name in experts:
+            full = b.grad.clone()
+            dist.all_reduce(full)
+            close(a.grad, full[rank * local:(rank + 1) * local], f"rank {rank} {name}")
+        else:
+            close(a.grad, b.grad, f"rank {rank} {name}")
+
+
+@pytest.mark.slow
+def test_transformers_backend_uses_the_exchange():
+    pytest.importorskip("transformers")
+    from _ranks import run_ranks
+
+    run_ranks(_hf_ranks, 2)

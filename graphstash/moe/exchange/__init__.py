@@ -17,7 +17,7 @@ The same transport sums the step's flags across ranks (:meth:`Transport.all_redu
 Nothing here touches the GPU at import time.
 """
 from .autograd import exchange_combine, exchange_dispatch
-from .build import build_transport, transport_kind
+from .build import build_transport, describe_exchange, transport_kind
 from .gloo import GlooTransport, build_gloo_transport
 from .ipc import build_ipc_transport
 from .local import build_local_transports
@@ -27,5 +27,5 @@ from .transport import DEFAULT_TIMEOUT_S, PeerTransport, Transport
 
 __all__ = ["DEFAULT_TIMEOUT_S", "ExchangePlan", "GlooTransport", "PeerTransport", "Transport",
            "build_gloo_transport", "build_ipc_transport", "build_local_transports",
-           "build_symmetric_transport", "build_transport", "exchange_combine",
+           "build_symmetric_transport", "build_transport", "describe_exchange", "exchange_combine",
            "exchange_dispatch", "plan_exchange", "transport_kind"]

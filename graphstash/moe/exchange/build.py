@@ -64,3 +64,24 @@ def build_transport(group=None, *, capacity_rows: int, row_bytes: int, max_exper
         return build_ipc_transport(group, device=device, **sizes)
     from .symmetric import build_symmetric_transport
     return build_symmetric_transport(group, device=device, **sizes)
+
+
+def describe_exchange() -> str:
+    """One line: which expert-parallel exchange a group would run here (no collective, no GPU
+    work): the live-row exchange's transport by where the ranks are, or why it cannot run."""
+    from ... import _kernels
+
+    if not torch.cuda.is_available():
+        return ("live rows over gloo (CPU reference); on GPUs: symmetric memory, one rank per "
+                "GPU, or CUDA IPC for ranks sharing one")
+    ok, why = _kernels.availability()
+    if not ok:
+        return f"NCCL fixed chunks (the live-row kernels cannot run: {why})"
+    import importlib.util
+
+    symmetric = ("torch symmetric memory"
+                 if importlib.util.find_spec("torch.distributed._symmetric_memory") is not None
+                 else "NCCL chunks (no symmetric memory in this torch)")
+    gpus = torch.cuda.device_count()
+    return (f"live rows: one rank per GPU over {symmetric} ({gpus} GPU(s) here), ranks sharing "
+            f"a GPU over CUDA IPC; NCCL fixed chunks across hosts")
