@@ -246,3 +246,59 @@ def test_transformers_backend_uses_the_exchange():
     from _ranks import run_ranks
 
     run_ranks(_hf_ranks, 2)
+
+
+# ---- misuse: refused before any collective ------------------------------------------------
+def _unconnected_transport(world=2, capacity=64, row_bytes=64, experts=8):
+    """A gloo transport of rank 0 that never talks to anyone: for checks that must refuse
+    bad arguments before the first collective."""
+    from graphstash.moe.exchange import GlooTransport
+
+    layout = X.RegionLayout(world, capacity, row_bytes, experts)
+    return GlooTransport(kind="gloo", rank=0, world_size=world, layout=layout,
+                         region=torch.zeros(layout.nbytes, dtype=torch.uint8),
+                         table=torch.zeros(X.XF_FIELDS, world, dtype=torch.int64), timeout_s=1.0)
+
+
+def test_exchange_misuse_is_refused(gen):
+    from graphstash.models import MoEConfig, MoEModel
+    from graphstash.moe import dispatch
+    from graphstash.moe.exchange import build_ipc_transport, build_local_transports
+
+    from _moe_data import tokens
+
+    t = _unconnected_transport()
+    x = tokens(12, 16, gen)                    # 12 x 16 float32: 64-byte rows
+    idx, w = routing(12, 2, 8, gen)
+    with pytest.raises(TypeError, match="exchange: expected a graphstash.moe.exchange.Transport"):
+        dispatch(x, idx, w, 8, budget=32, exchange=object())
+    with pytest.raises(ValueError, match="chunk_rows: the live-row exchange sends no chunks"):
+        dispatch(x, idx, w, 8, budget=32, exchange=t, chunk_rows=4)
+    with pytest.raises(ValueError, match="group: expected None or the group the exchange"):
+        dispatch(x, idx, w, 8, budget=32, exchange=t, group=object())
+    with pytest.raises(ValueError, match="budget: 100 rows do not fit the exchange's 64"):
+        dispatch(x, idx, w, 8, budget=100, exchange=t)
+    with pytest.raises(ValueError, match="topk_idx: 72 rows do not fit the exchange's 64"):
+        dispatch(tokens(36, 16, gen), *routing(36, 2, 8, gen), 8, budget=32, exchange=t)
+    with pytest.raises(ValueError, match="rows of 128 bytes do not fit the exchange's 64-byte"):
+        dispatch(tokens(12, 32, gen), idx, w, 8, budget=32, exchange=t)
+    with pytest.raises(ValueError, match="num_experts: expected a multiple of the exchange's 2"):
+        dispatch(x, idx.clamp(max=6), w, 7, budget=32, exchange=t)
+    with pytest.raises(ValueError, match="num_experts: the exchange was built for at most 8"):
+        dispatch(x, idx, w, 10, budget=32, exchange=t)
+    for flags, why in ((torch.zeros(3, dtype=torch.int64), "int64"),
+                       (torch.zeros(17, dtype=torch.int32), "17 elements"),
+                       (torch.zeros(2, 2, dtype=torch.int32), "2-D")):
+        with pytest.raises(ValueError, match="flags: expected a contiguous int32 tensor"):
+            t.all_reduce_flags_(flags)
+    with pytest.raises(ValueError, match="exchange: the plain peer sends its rows"):
+        MoEModel(MoEConfig(hidden=16, ffn=8, num_experts=8, layers=1), mode="plain", exchange=t)
+    t.close()
+    with pytest.raises(ValueError, match="exchange: the transport was closed"):
+        dispatch(x, idx, w, 8, budget=32, exchange=t)
+    with pytest.raises(ValueError, match="capacity_rows: expected an int > 0, got 0"):
+        build_local_transports(2, capacity_rows=0, row_bytes=64, max_experts=8)
+    with pytest.raises(TypeError, match="timeout_s: expected a number of seconds"):
+        build_local_transports(2, capacity_rows=8, row_bytes=64, max_experts=8, timeout_s="1")
+    with pytest.raises(ValueError, match="device: the IPC transport needs a CUDA device"):
+        build_ipc_transport(capacity_rows=8, row_bytes=64, max_experts=8, device="cpu")

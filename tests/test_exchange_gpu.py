@@ -21,15 +21,27 @@ from _exchange_cases import (H, K, compare, expert_weights, fitting_budget, grap
                              moe_layer, moe_model_case, rank_data, reference, run_rank)
 
 pytestmark = pytest.mark.gpu
-DEVICE = torch.device("cuda", 0)
+DEVICE = torch.device("cuda", 0)        # this rank's GPU (set per rank: _use_gpu_of)
+KIND = "ipc"                             # the transport the multi-rank cases build
+
+
+def _use_gpu_of(rank: int, kind: str) -> None:
+    """Ranks share GPU 0 through CUDA IPC, or each takes GPU ``rank`` for symmetric memory."""
+    global DEVICE, KIND
+    KIND = kind
+    DEVICE = torch.device("cuda", rank if kind == "symmetric" else 0)
+    torch.cuda.set_device(DEVICE)
 
 
 def _ipc(world: int, capacity_rows: int, E: int, timeout_s: float = 60.0, row_bytes=H * 4):
-    from graphstash.moe.exchange import build_ipc_transport
+    """This rank's transport of kind KIND (CUDA IPC unless the test asked for symmetric
+    memory)."""
+    from graphstash.moe.exchange import build_ipc_transport, build_symmetric_transport
 
+    build = build_symmetric_transport if KIND == "symmetric" else build_ipc_transport
     torch.cuda.set_device(DEVICE)
-    return build_ipc_transport(capacity_rows=capacity_rows, row_bytes=row_bytes, max_experts=E,
-                               device=DEVICE, timeout_s=timeout_s)
+    return build(capacity_rows=capacity_rows, row_bytes=row_bytes, max_experts=E,
+                 device=DEVICE, timeout_s=timeout_s)
 
 
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -172,7 +184,8 @@ def _graph_replays(transport, E: int, T: int, replays: int, captured=None) -> di
     return {"graph_replays": replays, "max_rel_replay_out": worst}
 
 
-def _ranks_gpu(rank: int, world: int, E: int, T: int, full: bool) -> dict:
+def _ranks_gpu(rank: int, world: int, E: int, T: int, full: bool, kind: str = "ipc") -> dict:
+    _use_gpu_of(rank, kind)
     report = {}
     budget = fitting_budget(T, world, E, 4)
     transport = _ipc(world, budget, E)
@@ -204,6 +217,17 @@ def test_four_ranks_on_one_gpu_equal_the_one_device_reference():
     from _ranks import run_ranks
 
     print(run_ranks(_ranks_gpu, 4, 8, 24, False))
+
+
+@pytest.mark.multigpu
+def test_symmetric_memory_two_gpus_equal_the_one_device_reference():
+    """The same cases with one rank per GPU and the table from torch symmetric memory (CUDA
+    backend, NVLink multicast off): the real transport of a node. The self test runs first."""
+    from _ranks import run_ranks
+
+    env = dict(TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0",
+               NVSHMEM_DISABLE_NVLS="1")
+    print(run_ranks(_ranks_gpu, 2, 8, 32, True, "symmetric", env=env))
 
 
 # ---- a dead rank is reported, not waited on ---------------------------------------------
