@@ -24,7 +24,7 @@
 
 // ---- failure codes (GS_XS_ERROR) ------------------------------------------------------------
 #define GS_XE_TIMEOUT 1         // a peer did not raise its signal within the timeout
-#define GS_XE_MISMATCH 2        // a peer's count header disagreed (experts, budget, padding, row bytes)
+#define GS_XE_MISMATCH 2        // a peer's count header disagreed (experts, budget, pad, row bytes)
 
 // ---- count rows ---------------------------------------------------------------------------
 #define GS_X_HEADER 4           // num_experts, budget (clamped to int32), pad_multiple, row bytes

@@ -163,7 +163,8 @@ extern "C" __global__ void __launch_bounds__(GS_THREADS)
         else if (i == 3) v = row_bytes;
         else v = max(send_counts[i - GS_X_HEADER], 0);
         for (int p = 0; p < W; ++p)
-            reinterpret_cast<int*>(table[GS_XF_COUNTS * W + p])[static_cast<long long>(me) * stride + i] = v;
+            reinterpret_cast<int*>(table[GS_XF_COUNTS * W + p])
+                [static_cast<long long>(me) * stride + i] = v;
     }
     if (threadIdx.x == 0) state[GS_XS_META_BYTES] += 4LL * W * (GS_X_HEADER + E);
     const long long epoch = block_barrier(table, state, W, me, timeout_ns);
@@ -359,10 +360,16 @@ __device__ __forceinline__ PushItem push_item(long long item, int n,
     return it;
 }
 
-__device__ __forceinline__ void copy_small(unsigned char* dst, const unsigned char* src, int bytes) {
-    if (bytes == 8) *reinterpret_cast<unsigned long long*>(dst) = *reinterpret_cast<const unsigned long long*>(src);
-    else if (bytes == 4) *reinterpret_cast<unsigned int*>(dst) = *reinterpret_cast<const unsigned int*>(src);
-    else if (bytes == 2) *reinterpret_cast<unsigned short*>(dst) = *reinterpret_cast<const unsigned short*>(src);
+template <typename U>
+__device__ __forceinline__ void copy_as(unsigned char* dst, const unsigned char* src) {
+    *reinterpret_cast<U*>(dst) = *reinterpret_cast<const U*>(src);
+}
+
+__device__ __forceinline__ void copy_small(unsigned char* dst, const unsigned char* src,
+                                           int bytes) {
+    if (bytes == 8) copy_as<unsigned long long>(dst, src);
+    else if (bytes == 4) copy_as<unsigned int>(dst, src);
+    else if (bytes == 2) copy_as<unsigned short>(dst, src);
     else for (int b = 0; b < bytes; ++b) dst[b] = src[b];
 }
 
@@ -384,8 +391,10 @@ __device__ void push_impl(const long long* __restrict__ table, long long* state,
     const int n = min(max(count[0], 0), max_items);
     const int lanes = 1 << lanes_log2;
     const int sub = threadIdx.x & (lanes - 1);
-    const int first = static_cast<int>((static_cast<long long>(blockIdx.x) * GS_THREADS + threadIdx.x) >> lanes_log2);
-    const int groups = static_cast<int>((static_cast<long long>(gridDim.x) * GS_THREADS) >> lanes_log2);
+    const long long thread = static_cast<long long>(blockIdx.x) * GS_THREADS + threadIdx.x;
+    const int first = static_cast<int>(thread >> lanes_log2);
+    const int groups =
+        static_cast<int>((static_cast<long long>(gridDim.x) * GS_THREADS) >> lanes_log2);
     const int step = lanes * GS_XCHG_UNROLL;
     const unsigned long long row_bytes = static_cast<unsigned long long>(vec_per_row) * sizeof(V);
     unsigned long long local = 0, remote = 0;
@@ -433,12 +442,10 @@ __device__ void push_impl(const long long* __restrict__ table, long long* state,
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
-        if (block_bytes[0])
-            atomicAdd(reinterpret_cast<unsigned long long*>(state + GS_XS_ROW_BYTES_REMOTE), block_bytes[0]);
-        if (block_bytes[1])
-            atomicAdd(reinterpret_cast<unsigned long long*>(state + GS_XS_ROW_BYTES_LOCAL), block_bytes[1]);
-        if (block_rows)
-            atomicAdd(reinterpret_cast<unsigned long long*>(state + GS_XS_ROWS_SENT), block_rows);
+        unsigned long long* counters = reinterpret_cast<unsigned long long*>(state);
+        if (block_bytes[0]) atomicAdd(counters + GS_XS_ROW_BYTES_REMOTE, block_bytes[0]);
+        if (block_bytes[1]) atomicAdd(counters + GS_XS_ROW_BYTES_LOCAL, block_bytes[1]);
+        if (block_rows) atomicAdd(counters + GS_XS_ROWS_SENT, block_rows);
     }
 }
 

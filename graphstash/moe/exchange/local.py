@@ -3,13 +3,13 @@ own regions (NOTE [exchange transport]).
 
 NOTE [in-process ranks]: processes sharing one GPU take turns on it (time slices): a rank
 spinning in a barrier holds the GPU until its slice ends, so every barrier between two
-processes costs about one slice, milliseconds against microseconds between two streams of
-one process (docs/exchange.md has the measurement; ``benchmarks/probes/exchange_latency.py``
-makes it). Correct, and what the multi-process tests use, but slow. For speed on one GPU the
-same kernels run for W ranks in one process, one CUDA stream and one host thread per rank, so
-their kernels run side by side. Each rank issues its exchanges from its own thread: a barrier waits on the device for
-the other ranks' kernels, which only their threads launch. Two things must not block a
-thread's host while its exchange is in flight: a device-wide synchronize
+processes costs about one slice, milliseconds against microseconds between two streams of one
+process (docs/exchange.md has the measurement; ``benchmarks/probes/exchange_latency.py`` makes
+it). Correct, and what the multi-process tests use, but slow. For speed on one GPU the same
+kernels run for W ranks in one process, one CUDA stream and one host thread per rank, so their
+kernels run side by side. Each rank issues its exchanges from its own thread: a barrier waits
+on the device for the other ranks' kernels, which only their threads launch. Two things must
+not block a thread's host while its exchange is in flight: a device-wide synchronize
 (``torch.cuda.synchronize``, which ``torch.cuda.graph`` calls on entry: capture with
 ``capture_begin`` on a side stream), and a host read inside backward (autograd runs every
 rank's CUDA backward on one device thread, so one rank blocked there stalls the others'
