@@ -5,8 +5,8 @@ in :func:`warmup`.
 """
 from __future__ import annotations
 
-from .errors import (BackendUnavailableError, CaptureError, GraphstashError, OffloadError,
-                     PoolExhaustedError, ReleasedError, SavedTensorModifiedError,
+from .errors import (BackendUnavailableError, CaptureError, ExchangeError, GraphstashError,
+                     OffloadError, PoolExhaustedError, ReleasedError, SavedTensorModifiedError,
                      SavedTensorsError, StaleHandleError, StashOverflowError, UpdateAppliedError)
 from . import memory, moe
 from ._mode import dropless, is_dropless
@@ -41,6 +41,7 @@ __all__ = [
     "ActivationOffloader",
     "BackendUnavailableError",
     "CaptureError",
+    "ExchangeError",
     "GraphStep",
     "GraphStepStats",
     "GraphstashError",
