@@ -11,15 +11,21 @@ kernel.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import torch
+
+from raw_kernels import source_path
 
 from ..reference import exchange as _reference
 from . import THREADS, VECTOR_WIDTHS, launch, ptr, register_source, vector_width
 from ._library import kernel_op
 
 _MODULE = "moe_exchange"
-_UNROLL = 4                       # GS_XCHG_UNROLL
+# vectors a lane moves per pass: GS_XCHG_UNROLL, read from the source it is written in
+_UNROLL = int(re.search(r"#define GS_XCHG_UNROLL (\d+)",
+                        source_path("moe_exchange.cu").read_text()).group(1))
 _INT32_MAX = 2**31 - 1            # rows, items and windows are int32 in the push kernels
 
 register_source(_MODULE, "moe_exchange.cu",
