@@ -5,7 +5,8 @@ in :func:`warmup`.
 """
 from __future__ import annotations
 
-from .errors import (BackendUnavailableError, CaptureError, GraphstashError,
+from .errors import (BackendUnavailableError, CaptureError, ExchangeError,
+                     GraphstashError,
                      OverBudgetError, PoolExhaustedError, ReleasedError,
                      SavedTensorModifiedError, SavedTensorsError, StaleHandleError,
                      StashOverflowError, UpdateAppliedError)
@@ -42,6 +43,7 @@ __all__ = [
     "ActivationOffloader",
     "BackendUnavailableError",
     "CaptureError",
+    "ExchangeError",
     "GraphStep",
     "GraphStepStats",
     "GraphstashError",

@@ -28,6 +28,7 @@ STATUS_SIZE = 8
 
 OVERFLOW_POOL = 1
 OVERFLOW_COUNT = 2
+OVERFLOW_EXCHANGE = 4
 
 # handle record in the page-table arena, int32
 H_VALID = 0

@@ -17,6 +17,12 @@ class BackendUnavailableError(GraphstashError):
     """The requested backend (for example the CuPy kernels) cannot run here."""
 
 
+class ExchangeError(GraphstashError):
+    """An expert-parallel exchange failed: a peer did not signal within the transport's
+    timeout (it died, raised, or runs another sequence of exchanges), or its counts' header
+    disagreed with this rank's (another budget, expert count, padding or row width)."""
+
+
 class PoolExhaustedError(GraphstashError):
     """An eager operation needed more pages or handle slots than the pool holds."""
 

@@ -28,6 +28,7 @@
 
 #define GS_OVERFLOW_POOL 1      // both tiers together had too few free pages
 #define GS_OVERFLOW_COUNT 2     // a num_tokens entry was < 0 or > the rows of its segment
+#define GS_OVERFLOW_EXCHANGE 4  // an expert-parallel exchange failed (a peer did not signal in time)
 
 // ---- handle record in the page-table arena: int32 -----------------------------------------
 // [valid, num_pages, dev_pages, host_pages, counts[S], page_ids[max_pages]]

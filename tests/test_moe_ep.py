@@ -159,7 +159,8 @@ def _exchange_buffers_case(rank, device, dtype, group):
 
     config = MoEConfig(hidden=H, ffn=12, num_experts=E, topk=K, layers=3, num_tokens=T,
                        capacity_factor=2.0, chunk_factor=2.0, gated=True)
-    model = MoEModel(config, mode="budget", group=group, seed=5, device=device, dtype=dtype)
+    model = MoEModel(config, mode="budget", group=group, seed=5, device=device, dtype=dtype,
+                     exchange=None)                   # the NCCL chunk path
     gen = torch.Generator().manual_seed(50 + rank)
     x = tokens(T, H, gen, dtype).to(device) / T
     proj = projection((T, H), gen, device)

@@ -41,7 +41,7 @@ for _item in filter(None, os.environ.get("GRAPHSTASH_TUNABLES", "").split(",")):
     globals()[_name] = int(_value)
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)
 # launcher submodules of this package; each calls register_source() for its .cu file
-KERNEL_MODULES = ("paged_stash", "moe", "experts")
+KERNEL_MODULES = ("paged_stash", "moe", "experts", "exchange")
 
 # module name -> (source file, kernel names compiled by warmup()); filled by register_source
 _SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {}

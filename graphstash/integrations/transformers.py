@@ -56,7 +56,7 @@ import math
 import torch
 from torch import nn
 
-from .._checks import describe
+from .._checks import describe, require_positive_int
 from ..errors import BackendUnavailableError
 
 __all__ = ["IMPLEMENTATION", "ExpertsSettings", "configure", "experts_forward",
@@ -104,6 +104,7 @@ class ExpertsSettings:
     world_size: int = 1
     first_expert: int = 0
     name: str = "experts"
+    exchange: object = None          # the live-row exchange's Transport (None: NCCL chunks)
 
 
 _DEFAULTS = ExpertsSettings()
@@ -249,7 +250,7 @@ def _shard(module: nn.Module, name: str, group, world: int, rank: int) -> int:
 
 
 def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = True,
-              group=None) -> list[str]:
+              group=None, exchange="auto", num_tokens: int | None = None) -> list[str]:
     """Set how the ``"graphstash"`` experts backend runs the experts of ``model``.
 
     Call it after ``model.set_experts_implementation("graphstash")`` (or loading with
@@ -268,6 +269,12 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
             state and ``state_dict()`` hold the slice. Tokens travel through
             ``dispatch(group=...)``; every rank must pass the same number of tokens per step.
             The other parameters stay replicated: all-reduce their gradients as usual (DDP).
+        exchange: with ``group``, how tokens travel: ``"auto"`` builds the live-row exchange
+            (:func:`graphstash.moe.exchange.build_transport`, a collective) when
+            ``num_tokens`` is given and a transport can be built here, else NCCL's fixed
+            chunks; a :class:`~graphstash.moe.exchange.Transport` to use it; None for chunks.
+        num_tokens: tokens per rank per step (``batch x seq``), to size the exchange's
+            receive region (``max(budget, num_tokens x top_k)`` rows of the experts' width).
 
     Returns the names of the experts modules configured. Raises ValueError when ``model`` has no
     experts module, uses another experts implementation, or has experts the backend does not
@@ -304,6 +311,18 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
                 f"model.set_experts_implementation({IMPLEMENTATION!r}) before configure()")
         _check_supported(module, name, "model")
     _warn_bincount_aux_loss(model)
+    if num_tokens is not None:
+        require_positive_int("num_tokens", num_tokens)
+    transport = None
+    if world > 1 and exchange == "auto" and num_tokens is not None:
+        transport = _build_exchange(model, modules, capacity_factor, group, world, num_tokens)
+    elif world > 1 and exchange not in (None, "auto"):
+        from ..moe.exchange import Transport
+
+        if not isinstance(exchange, Transport):
+            raise TypeError(f"exchange: expected 'auto', None or a graphstash.moe.exchange."
+                            f"Transport, got {type(exchange).__name__}")
+        transport = exchange
     for name, module in modules:
         first = _shard(module, name, group, world, rank) if world > 1 else 0
         if world == 1 and settings_of(module).world_size > 1:
@@ -311,8 +330,36 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
                              f"{settings_of(module).world_size} ranks; pass that group again")
         setattr(module, _SETTINGS_ATTR, ExpertsSettings(
             capacity_factor=float(capacity_factor), stash=stash, group=group, world_size=world,
-            first_expert=first, name=name or "experts"))
+            first_expert=first, name=name or "experts", exchange=transport))
     return [name for name, _ in modules]
+
+
+def _build_exchange(model: nn.Module, modules, capacity_factor: float, group, world: int,
+                    num_tokens: int):
+    """The live-row exchange shared by every experts module of ``model`` (a collective), or
+    None, with a warning, where none can be built (NCCL's fixed chunks then)."""
+    import warnings
+
+    from ..moe import budget_rows
+    from ..moe.exchange import build_transport
+
+    config = getattr(model, "config", None)
+    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k", None)
+    if not top_k:
+        raise ValueError("model: its config names no num_experts_per_tok; pass exchange=None "
+                         "(NCCL chunks) or a Transport built for it")
+    E = max(m.num_experts for _, m in modules)
+    w1 = getattr(modules[0][1], _first_weight_name(modules[0][1]))
+    budget = budget_rows(num_tokens * world, top_k, E, capacity_factor=capacity_factor,
+                         world_size=world)
+    try:
+        return build_transport(group, capacity_rows=max(budget, num_tokens * top_k),
+                               row_bytes=w1.shape[-1] * w1.element_size(), max_experts=E,
+                               device=w1.device)
+    except ValueError as exc:
+        warnings.warn(f"configure: no live-row exchange here ({exc}); the experts' tokens travel "
+                      "in NCCL's fixed chunks", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def _warn_bincount_aux_loss(model: nn.Module) -> None:
@@ -427,5 +474,5 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     # current manager's, when stash=True and one is current), expert MLP, unweighted combine
     out = moe_layer(x, top_k_index, weights, w1, w2, E, gated=self.has_gate,
                     capacity_factor=factor, group=settings.group, stash=settings.stash,
-                    name=settings.name)
+                    name=settings.name, exchange=settings.exchange)
     return out.to(hidden_states.dtype)

@@ -160,7 +160,7 @@ class MoEBlock(nn.Module):
         return idx, weight.to(x.dtype)
 
     def forward(self, x: torch.Tensor, *, mode: str, group=None, stash_manager=None,
-                status=None) -> torch.Tensor:
+                status=None, exchange=None) -> torch.Tensor:
         c = self.config
         if self.attn is not None:
             x = self.attn(x, c.seq_len)
@@ -170,7 +170,8 @@ class MoEBlock(nn.Module):
             return x + plain_moe(h, idx, weight, self.w1, self.w2, c.num_experts,
                                  gated=c.gated, group=group)
         chunk = None
-        if group is not None and c.chunk_factor is not None and mode != "dropless":
+        if (group is not None and exchange is None and c.chunk_factor is not None
+                and mode != "dropless"):
             import torch.distributed as dist
 
             world = dist.get_world_size(group)
@@ -183,7 +184,34 @@ class MoEBlock(nn.Module):
         return x + moe_layer(h, idx, weight, self.w1, self.w2, c.num_experts, gated=c.gated,
                              capacity_factor=None if mode == "dropless" else c.capacity_factor,
                              pad_multiple=c.pad_multiple, group=group, chunk_rows=chunk,
-                             stash=stash, name="moe.experts", status=status)
+                             stash=stash, name="moe.experts", status=status,
+                             exchange=exchange)
+
+
+def exchange_for(config: MoEConfig, group, device, dtype):
+    """The live-row exchange transport of a model of ``config`` over ``group`` (a
+    collective), sized for this rank's budget and pairs and rows of ``dtype`` (float32 when
+    None, so a later ``.to(bfloat16)`` fits); None, with a warning, where no transport can be
+    built (the dispatch then keeps NCCL's fixed chunks)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from ..moe.exchange import build_transport
+
+    world = dist.get_world_size(group)
+    budget = budget_rows(config.num_tokens * world, config.topk, config.num_experts,
+                         capacity_factor=config.capacity_factor,
+                         pad_multiple=config.pad_multiple, world_size=world)
+    element = torch.empty((), dtype=dtype or torch.float32).element_size()
+    try:
+        return build_transport(group, capacity_rows=max(budget, config.num_tokens * config.topk),
+                               row_bytes=config.hidden * element,
+                               max_experts=config.num_experts, device=device)
+    except ValueError as exc:
+        warnings.warn(f"MoEModel: no live-row exchange here ({exc}); the dispatch sends NCCL's "
+                      "fixed chunks", RuntimeWarning, stacklevel=3)
+        return None
 
 
 class MoEModel(nn.Module):
@@ -194,6 +222,13 @@ class MoEModel(nn.Module):
         mode: ``"dropless"``, ``"budget"``, ``"stash"`` or ``"plain"`` (see the module
             docstring).
         group: ``torch.distributed`` group for expert parallelism (``None``: one device).
+        exchange: how tokens travel under ``group``: ``"auto"`` (default) builds the live-row
+            exchange's transport here (:func:`graphstash.moe.exchange.build_transport`:
+            symmetric memory, CUDA IPC on one GPU, gloo on the CPU; a collective) and keeps
+            NCCL's fixed chunks where none can be built; a
+            :class:`~graphstash.moe.exchange.Transport` to use that one (its ranks are the
+            model's; ``group`` may then be None, as for in-process ranks); None for the
+            chunks. :attr:`exchange_kind` says which runs.
         stash_manager: ``graphstash.stash.StashManager`` for ``mode="stash"`` (default: the
             current one, ``graph_step(stash=...)``'s or an enclosing ``with manager:``; with
             none current the experts run unstashed).
@@ -219,7 +254,7 @@ class MoEModel(nn.Module):
 
     def __init__(self, config: MoEConfig, *, mode: str = "budget", group=None,
                  stash_manager=None, status=None, seed: int = 0, device=None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, exchange="auto"):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config: expected a graphstash.models.MoEConfig, got "
@@ -232,7 +267,9 @@ class MoEModel(nn.Module):
         if dtype is not None and not dtype.is_floating_point:
             raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype}")
         world, rank = 1, 0
-        if group is not None:
+        if exchange not in (None, "auto"):              # a transport: its ranks (in-process too)
+            world, rank = exchange.world_size, exchange.rank
+        elif group is not None:
             import torch.distributed as dist
 
             world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -253,6 +290,24 @@ class MoEModel(nn.Module):
                                         for _ in range(config.layers))
         self.norm = nn.RMSNorm(config.hidden, device=device, dtype=dtype)
         self.to(device=device, dtype=dtype)          # attention's modules, made on the CPU
+        self.exchange = None
+        if exchange not in (None, "auto"):
+            if mode == "plain":
+                raise ValueError("exchange: the plain peer sends its rows with all_to_all; "
+                                 "pass exchange=None (or 'auto') with mode='plain'")
+            self.exchange = exchange
+        elif group is not None and mode != "plain" and exchange == "auto":
+            self.exchange = exchange_for(config, group, device, dtype)
+
+    @property
+    def exchange_kind(self) -> str:
+        """Which expert-parallel exchange runs: ``"one device"``, ``"nccl chunks"``, or the
+        live-row exchange's transport (``"live rows over ipc"``, ``"... symmetric"``, ...)."""
+        if self.group is None and self.exchange is None:
+            return "one device"
+        if self.exchange is None:
+            return "nccl chunks" if self.mode != "plain" else "all_to_all (plain peer)"
+        return f"live rows over {self.exchange.kind}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run every block over ``x`` (``[num_tokens, hidden]``, the model's device and dtype); same shape out."""
@@ -274,5 +329,5 @@ class MoEModel(nn.Module):
                              f"seq_len={self.config.seq_len}, got {x.shape[0]}")
         for block in self.blocks:
             x = block(x, mode=self.mode, group=self.group, stash_manager=self.stash_manager,
-                      status=self.status)
+                      status=self.status, exchange=self.exchange)
         return self.norm(x)

@@ -9,6 +9,7 @@ runs dropless (``budget=None`` or :func:`graphstash.dropless`), which is eager o
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol, runtime_checkable
 import math
 import weakref
 
@@ -105,6 +106,7 @@ class DispatchHandle:
     permuted_ref: weakref.ref | None = None
     permuted_version: int = 0
     counts_version: int = 0
+    exchanged_weights: torch.Tensor | None = None    # [R] router weights that came with the rows
 
     @property
     def backend(self) -> str:
@@ -203,7 +205,10 @@ class DispatchHandle:
         Scale the expert activations with it and combine with ``weighted=False`` (what
         :func:`~graphstash.moe.expert_mlp` does): the combine then keeps no budget-sized
         tensor for the weights' gradient (NOTE [expert MLP saved tensors] in ``mlp.py``).
+        Through a live-row exchange the weights came with the rows: no extra exchange.
         """
+        if self.exchanged_weights is not None:
+            return self.exchanged_weights
         return _PermuteWeights.apply(self.topk_weight, self.plan, self.kernels)
 
 
@@ -292,6 +297,51 @@ def _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_mult
         if num_experts % world:
             raise ValueError(f"num_experts: expected a multiple of the group size {world} "
                              f"(experts are split evenly over the ranks), got {num_experts}")
+
+
+@runtime_checkable
+class RowExchange(Protocol):
+    """What :func:`dispatch` and :func:`combine` drive through ``exchange=`` (NOTE [row
+    exchange]): :class:`graphstash.moe.exchange.Transport` is one.
+
+    NOTE [row exchange]: the live-row exchange lives above this module (it plans with the
+    routing here), so dispatch knows it only through this protocol and never imports it.
+    ``plan_dispatch`` exchanges the counts and returns a plan (a collective; its
+    ``tokens_per_expert``, ``live_rows``, ``budget_rows`` are this rank's, as a RoutingPlan's);
+    ``dispatch_rows`` moves ``x``'s live rows to the experts' ranks and returns the permuted
+    rows with the router weight of each (differentiable; its backward is the combine's
+    exchange); ``combine_rows`` moves the expert outputs back and sums them per token
+    (weighted by ``topk_weight`` unless None; its backward is the dispatch's exchange).
+    """
+
+    world_size: int
+    group: object
+    device: torch.device
+    closed: bool
+
+    def plan_dispatch(self, topk_idx: torch.Tensor, num_experts: int, budget: int | None,
+                      pad_multiple: int | None, *, row_bytes: int, status, kernels): ...
+
+    def dispatch_rows(self, x: torch.Tensor, topk_weight: torch.Tensor, plan, kernels): ...
+
+    def combine_rows(self, y: torch.Tensor, topk_weight, plan, kernels): ...
+
+
+def _check_exchange(exchange, group, chunk_rows, x) -> None:
+    if not isinstance(exchange, RowExchange):
+        raise TypeError(f"exchange: expected a graphstash.moe.exchange.Transport, got "
+                        f"{type(exchange).__name__}")
+    if group is not None and group is not exchange.group:
+        raise ValueError("group: expected None or the group the exchange was built over "
+                         f"({exchange.group!r}), got {group!r}")
+    if chunk_rows is not None:
+        raise ValueError("chunk_rows: the live-row exchange sends no chunks; leave it None")
+    if exchange.closed:
+        raise ValueError("exchange: the transport was closed")
+    _check_float("x", x)
+    if x.device != exchange.device:
+        raise ValueError(f"x: expected a tensor on {exchange.device} (the exchange's device), "
+                         f"got {describe(x)}")
 
 
 def _all_to_all(src: torch.Tensor, group) -> torch.Tensor:
@@ -467,7 +517,7 @@ def _warn_over_budget(plan: RoutingPlan, budget: int) -> None:
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
              num_experts: int, *, budget: int | None, pad_multiple: int | None = None,
              group=None, chunk_rows: int | None = None, status: torch.Tensor | None = None,
-             backend: str = "auto"):
+             backend: str = "auto", exchange=None):
     """Permute tokens by expert into a static buffer of ``budget`` rows.
 
     Args:
@@ -491,6 +541,10 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
             :class:`~graphstash.status.StepStatus` (default: the running step's, see
             :func:`default_status`).
         backend: ``"auto"``, ``"cupy"`` or ``"reference"``.
+        exchange: a :class:`graphstash.moe.exchange.Transport`: the expert-parallel exchange
+            moves only the live rows, straight into the experts' ranks, through it (its ranks
+            are the group; ``group`` may be omitted). Every rank calls dispatch and combine in
+            the same order.
 
     Returns:
         ``(permuted, tokens_per_expert, handle)``: ``permuted`` is ``[budget, hidden]`` in
@@ -509,6 +563,9 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
         y = grouped_mm(permuted, w1, counts)
         out = combine(y, handle)
     """
+    if exchange is not None:
+        _check_exchange(exchange, group, chunk_rows, x)
+        group = None
     _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_multiple, group,
                          chunk_rows)
     dropless = budget is None or is_dropless()
@@ -519,6 +576,16 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
     if dropless or x.device.type == "cpu":
         check_routing(topk_idx, num_experts)
 
+    if exchange is not None:
+        plan = exchange.plan_dispatch(topk_idx.contiguous(), num_experts,
+                                      None if dropless else budget, pad_multiple,
+                                      row_bytes=x.shape[1] * x.element_size(),
+                                      status=None if dropless else status, kernels=kernels)
+        permuted, weights = exchange.dispatch_rows(x, topk_weight, plan, kernels)
+        handle = DispatchHandle(plan=plan, topk_weight=topk_weight, num_experts=num_experts,
+                                hidden=x.shape[1], dtype=x.dtype, device=x.device,
+                                kernels=kernels, source=x, exchanged_weights=weights)
+        return permuted, plan.tokens_per_expert, handle
     world = 1
     if group is None:
         plan = plan_local(topk_idx, num_experts, None if dropless else budget, pad_multiple,
@@ -579,6 +646,9 @@ def combine(y: torch.Tensor, handle: DispatchHandle, *, weighted: bool = True) -
                         f"got {describe(y)}")
     if not isinstance(weighted, bool):
         raise TypeError(f"weighted: expected a bool, got {type(weighted).__name__}")
+    if handle.exchanged_weights is not None:          # dispatched through an exchange
+        return handle.plan.transport.combine_rows(y, handle.topk_weight if weighted else None,
+                                                  handle.plan, handle.kernels)
     if not weighted:
         return _CombineUnweighted.apply(y, handle.plan, handle.kernels)
     return _Combine.apply(y, handle.topk_weight, handle.plan, handle.kernels)

@@ -34,7 +34,7 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
               capacity_factor: float | None = None, budget: int | None = None,
               pad_multiple: int | None = None, group=None, chunk_rows: int | None = None,
               stash=False, name: str = "moe.experts", status=None,
-              impl: str = "auto") -> torch.Tensor:
+              impl: str = "auto", exchange=None) -> torch.Tensor:
     """``out[t] = sum_k topk_weight[t, k] * mlp_{topk_idx[t, k]}(x[t])`` over a static-budget
     dispatch, the count-aware expert MLP and combine (NOTE [moe layer]).
 
@@ -53,7 +53,9 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
             only). Not both.
         pad_multiple: round each expert's rows up to this multiple.
         group: ``torch.distributed`` group for expert parallelism (passed to dispatch).
-        chunk_rows: expert parallel only: rows per destination of the exchange.
+        chunk_rows: expert parallel over NCCL chunks only: rows per destination.
+        exchange: a :class:`graphstash.moe.exchange.Transport`: expert parallel through the
+            live-row exchange (its ranks are the group; ``group`` may be None).
         stash: ``False`` (default) or None: nothing stashed; ``True``: the current
             :class:`~graphstash.StashManager` (``graph_step(stash=...)``'s or an enclosing
             ``with manager:``), none current: nothing stashed; a StashManager: that one.
@@ -83,7 +85,9 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
                              + (describe(topk_idx) if isinstance(topk_idx, torch.Tensor)
                                 else type(topk_idx).__name__))
         world = 1
-        if group is not None:
+        if exchange is not None:
+            world = exchange.world_size
+        elif group is not None:
             import torch.distributed as dist
 
             if not dist.is_available() or not dist.is_initialized():
@@ -95,8 +99,9 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
                              capacity_factor=capacity_factor, pad_multiple=pad_multiple,
                              world_size=world)
     permuted, counts, handle = dispatch(x, topk_idx, topk_weight, num_experts, budget=budget,
-                                        pad_multiple=pad_multiple, group=group,
-                                        chunk_rows=chunk_rows, status=status)
+                                        pad_multiple=pad_multiple,
+                                        group=None if exchange is not None else group,
+                                        chunk_rows=chunk_rows, status=status, exchange=exchange)
 
     def experts() -> torch.Tensor:
         y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), gated=gated,

@@ -42,6 +42,9 @@ def _info(args) -> int:
         device = torch.device("cpu")
     backend, why = runtime.backend_for(device)
     print(f"backend    {backend} for {device} tensors: {why}")
+    from graphstash.moe.exchange import describe_exchange
+
+    print(f"exchange   {describe_exchange()}")
     return 0
 
 
