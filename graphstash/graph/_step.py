@@ -28,6 +28,7 @@ from .._mode import dropless
 from ..errors import CaptureError, ReleasedError, UpdateAppliedError
 from ..status import StepStatus
 from . import _staging as S
+from . import capture_errors, compile_guard
 from ._update import DeviceUpdate, check_optimizer, has_state, hyperparameters
 from .protocol import StepParticipant
 
@@ -147,32 +148,6 @@ class _Graph:
 # whether this one is rerun (a rerun applies the update that the next step builds on).
 
 
-def _capture_failure_message(exc: BaseException, name: str) -> str:
-    """Explain a failed capture: the error, the line of user code that raised, what to change."""
-    text = f"{type(exc).__name__}: {exc}".strip()
-    first_line = text.splitlines()[0] if text else type(exc).__name__
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = ""
-    for frame in reversed(frames):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" in path or "/graphstash/graph/" in path:
-            continue
-        where = f" at {frame.filename}:{frame.lineno}" + (f" ({frame.line.strip()})" if frame.line else "")
-        break
-    lowered = text.lower()
-    if "capturable" in lowered:
-        hint = ("construct the optimizer with capturable=True (graphstash.graph_step checks "
-                "this before capturing)")
-    elif any(s in lowered for s in ("capturing", "capture", "not permitted", "synchron")):
-        hint = ("the step synchronised with the host, which a CUDA graph cannot contain: remove "
-                ".item(), .tolist(), .cpu(), float(tensor), print(tensor), torch.nonzero, "
-                "boolean-mask indexing and other data-dependent shapes from the step, or move "
-                "them out of the decorated function")
-    else:
-        hint = "the step raised while it was being captured; it must run unchanged on every call"
-    return f"capturing {name} failed{where}: {first_line}. {hint}"
-
-
 class GraphStep:
     """A training step captured whole into a CUDA graph and replayed; see :func:`graph_step`."""
 
@@ -256,6 +231,8 @@ class GraphStep:
         self._status_wait_s = 0.0
         self._fn_running = False
         self._warned_contract = False
+        self._eager_signatures = compile_guard.EagerSignatures()   # NOTE [compile and capture]
+        self._refuse_compiles = False
         if optimizer is not None:           # NOTE [step ownership]
             hook = optimizer.register_step_pre_hook(functools.partial(_refuse_step, weakref.ref(self)))
             weakref.finalize(self, hook.remove)
@@ -427,15 +404,10 @@ class GraphStep:
         forbid_capture(f"{self._name}()")
         self._setup()
         if not self.graphed or self._eager_done < self.warmup:
+            sig = None
             if not self.graphed and self._eager_done >= self.warmup:
-                self._check_cpu_contract(args, kwargs)
-            steps = self._stats.steps
-            try:
-                return self._eager_step(args, kwargs, side_stream=self.graphed)
-            finally:
-                if self._stats.steps > steps:    # the update was applied (NOTE [transactional rerun])
-                    self._eager_done += 1
-                    self._stats.eager_steps += 1
+                sig = self._check_cpu_contract(args, kwargs)
+            return self._eager_call(args, kwargs, sig)
         leaves, spec = S.flatten_call(args, kwargs)
         sig = S.signature(leaves, spec)
         entry = self._graphs.get(sig)
@@ -445,6 +417,8 @@ class GraphStep:
             entry = None
         if entry is None:
             self._refuse_new_signature(sig, args, kwargs)
+            if self._eager_signatures.needs_eager_call(sig):    # NOTE [compile and capture]
+                return self._eager_call(args, kwargs, sig)
             entry = self._capture(sig, leaves, spec)
         else:
             self._graphs[sig] = self._graphs.pop(sig)     # most recently used last
@@ -467,14 +441,14 @@ class GraphStep:
     # ValueError as on the GPU (``on_new_shape='recapture'`` allows it, as there). An optimizer
     # that cannot be captured only warns, once: torch's CPU optimizers cannot be made
     # capturable, so refusing would break legitimate CPU training.
-    def _check_cpu_contract(self, args, kwargs) -> None:
+    def _check_cpu_contract(self, args, kwargs) -> tuple:
         leaves, spec = S.flatten_call(args, kwargs)
         sig = S.signature(leaves, spec)
         self._refuse_new_signature(sig, args, kwargs)
         if self._first_signature is None:
             self._first_signature = sig
         if self._warned_contract:
-            return
+            return sig
         self._warned_contract = True
         try:
             self._check_capturable()
@@ -482,8 +456,44 @@ class GraphStep:
             warnings.warn(f"graphstash.graph_step({self._name}): on a CUDA device this step would "
                           f"be refused: {exc} (code that builds the optimizer capturable only on "
                           "CUDA may filter this warning)", RuntimeWarning, stacklevel=4)
+        return sig
 
     # ---- eager --------------------------------------------------------------------------
+    def _eager_call(self, args, kwargs, sig=None):
+        """A call run eagerly on purpose (warmup, the first call of a new signature once
+        torch.compile is in use, every call without CUDA), counted when its update is applied.
+
+        Without CUDA, a call of a signature that already ran (``sig`` given) is where a GPU run
+        would capture: a compile there is refused as it would be in the capture (NOTE [compile
+        and capture], NOTE [same contract on the CPU])."""
+        if sig is None:
+            sig = S.signature(*S.flatten_call(args, kwargs))
+        refuse = not self.graphed and not self._eager_signatures.needs_eager_call(sig) and \
+            self._eager_done >= self.warmup
+        steps = self._stats.steps
+        try:
+            with self._compiles_refused(refuse):
+                return self._eager_step(args, kwargs, side_stream=self.graphed)
+        except RuntimeError as exc:
+            if refuse and compile_guard.is_refusal(exc):
+                raise capture_errors.capture_error(exc, self._name, eager=True) from exc
+            raise
+        finally:
+            if self._stats.steps > steps:    # the update was applied (NOTE [transactional rerun])
+                self._eager_done += 1
+                self._stats.eager_steps += 1
+                self._eager_signatures.ran(sig)
+
+    @contextlib.contextmanager
+    def _compiles_refused(self, enabled: bool = True):
+        """While set, the step function's non-dropless runs refuse torch.compile compiles
+        (NOTE [compile and capture]); the dropless rerun may compile."""
+        previous, self._refuse_compiles = self._refuse_compiles, enabled
+        try:
+            yield
+        finally:
+            self._refuse_compiles = previous
+
     @contextlib.contextmanager
     def _step_fn_running(self):
         """While the step function runs, ``optimizer.step()`` is refused (NOTE [step ownership])."""
@@ -510,7 +520,9 @@ class GraphStep:
 
     def _run_fn(self, args, kwargs, *, is_dropless: bool):
         manager = self._manager
-        with dropless(is_dropless), self.step_status.activate():     # NOTE [current step]
+        refuse = self._refuse_compiles and not is_dropless        # NOTE [compile and capture]
+        with dropless(is_dropless), self.step_status.activate(), \
+                compile_guard.refusing_compiles(refuse):          # NOTE [current step]
             if manager is None:
                 return self._fn(*args, **kwargs)
             with manager:
@@ -657,7 +669,8 @@ class GraphStep:
             with torch.cuda.stream(stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    out = self._captured_body(static_args, static_kwargs)
+                    with self._compiles_refused():             # NOTE [compile and capture]
+                        out = self._captured_body(static_args, static_kwargs)
                 except BaseException:
                     try:
                         graph.capture_end()
@@ -676,7 +689,7 @@ class GraphStep:
             traceback.clear_frames(exc.__traceback__)   # drop the activations its frames hold
             if isinstance(exc, _StepCalledError):
                 raise                                   # the same error as eagerly
-            raise CaptureError(_capture_failure_message(exc, self._name)) from exc
+            raise capture_errors.capture_error(exc, self._name) from exc
         current.wait_stream(stream)
         capture_s = time.perf_counter() - t0
         grads = []
