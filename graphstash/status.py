@@ -391,4 +391,5 @@ def warn_at_call_site(message: str, category=RuntimeWarning) -> None:
 def reading_allowed() -> bool:
     """Whether a host read of a device flag may happen here: not while a CUDA stream captures
     nor while torch.compile traces."""
-    return not is_capturing() and not torch.compiler.is_compiling()
+    # is_compiling first: while torch.compile traces, the capture query is never traced
+    return not torch.compiler.is_compiling() and not is_capturing()

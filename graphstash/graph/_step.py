@@ -522,7 +522,8 @@ class GraphStep:
         manager = self._manager
         refuse = self._refuse_compiles and not is_dropless        # NOTE [compile and capture]
         with dropless(is_dropless), self.step_status.activate(), \
-                compile_guard.refusing_compiles(refuse):          # NOTE [current step]
+                compile_guard.refusing_compiles(refuse), \
+                compile_guard.running_uncompiled(is_dropless):    # NOTE [current step]
             if manager is None:
                 return self._fn(*args, **kwargs)
             with manager:

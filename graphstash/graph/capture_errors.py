@@ -31,7 +31,10 @@ the first cause that matches, in this order:
 from __future__ import annotations
 
 import dataclasses
+import os
 import traceback
+
+import torch
 
 from ..errors import CaptureError, GraphstashError
 from . import compile_guard
@@ -73,10 +76,11 @@ _HINTS = {
         ".cuda_stream, no synchronous cudaMemcpy in extensions"),
     "pageable_copy": (
         "a copy between the host and the GPU used pageable host memory, which a CUDA graph "
-        "cannot hold. Create the tensor on the GPU (torch.tensor(..., device='cuda'), "
-        "torch.full, torch.arange(..., device=...)), or pin the host tensor once before the "
-        "step (.pin_memory()) and copy with non_blocking=True; a Python number turned into a "
-        "tensor inside the step (torch.tensor(0.5).cuda()) is such a copy"),
+        "cannot hold. Make the tensor on the GPU with a factory (torch.full, torch.zeros, "
+        "torch.arange(..., device=...)) or keep a Python number a number (x * 0.5 copies "
+        "nothing), or pin the host tensor once before the step (.pin_memory()) and copy it "
+        "with non_blocking=True; torch.tensor(value, device='cuda') and .cuda() of a host "
+        "tensor inside the step are such copies"),
     "outside_pool": (
         "the step used memory or a stream that the graph does not own: the graph's memory "
         "pool holds only device memory allocated on the capturing stream and streams forked "
@@ -120,13 +124,13 @@ class CaptureFailure:
 
 
 def exception_chain(exc: BaseException) -> list[BaseException]:
-    """``exc`` and the exceptions it was raised from or during, outermost first (no cycles)."""
+    """``exc`` and the exceptions it was raised from or during, outermost first (no cycles).
+    A suppressed context is followed too: dynamo raises its compile errors ``from None``."""
     chain, seen = [], set()
     while exc is not None and id(exc) not in seen and len(chain) < 32:
         seen.add(id(exc))
         chain.append(exc)
-        exc = exc.__cause__ if exc.__cause__ is not None else (
-            None if exc.__suppress_context__ else exc.__context__)
+        exc = exc.__cause__ if exc.__cause__ is not None else exc.__context__
     return chain
 
 
@@ -216,15 +220,25 @@ def classify(exc: BaseException) -> CaptureFailure:
     return CaptureFailure("other", _first_line(exc), "", _HINTS["other"])
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
 def _user_frame(exc: BaseException) -> str:
-    """`` at file:line (source)`` of the innermost frame outside torch and graph_step."""
+    """`` at file:line (source)`` of the innermost frame of the user's code (outside torch and
+    graphstash), else of the innermost graphstash frame."""
+    fallback = ""
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" in path or "/graphstash/graph/" in path or "/graphstash/_untraced" in path:
+        path = os.path.abspath(frame.filename)
+        where = f" at {frame.filename}:{frame.lineno}" + (f" ({frame.line.strip()})"
+                                                          if frame.line else "")
+        if path.startswith(_TORCH_DIR + os.sep):
             continue
-        return f" at {frame.filename}:{frame.lineno}" + (f" ({frame.line.strip()})"
-                                                         if frame.line else "")
-    return ""
+        if path.startswith(_PACKAGE_DIR + os.sep):
+            fallback = fallback or where
+            continue
+        return where
+    return fallback
 
 
 def describe(exc: BaseException, name: str, *, eager: bool = False) -> tuple[str, str]:

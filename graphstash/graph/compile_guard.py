@@ -6,7 +6,7 @@ every call and recompiles when one fails. A recompile inside a CUDA graph captur
 Inductor reads and writes the device while it compiles (constants, benchmarks, first kernel
 loads), which a capture refuses or records into the graph ("Cannot copy between CPU and CUDA
 tensors during CUDA graph capture", "operation would make the legacy stream depend on a
-capturing blocking stream"). graph_step keeps compiles out of captures in three ways:
+capturing blocking stream"). graph_step keeps compiles out of captures in four ways:
 
 1. nothing graphstash shows to traced code changes between a warmup call and the capture:
    the mode and the running step's status are read as values that are the same in both (NOTE
@@ -25,6 +25,13 @@ capturing blocking stream"). graph_step keeps compiles out of captures in three 
    raises before Inductor starts, and the capture fails with a
    :class:`~graphstash.errors.CaptureError` that names the function and the guard that
    failed (:func:`recompile_details`; the message is built in ``capture_errors.py``).
+
+4. the dropless rerun of a flagged step runs uncompiled (:func:`running_uncompiled`). It is
+   eager by design and reads counts back to the host, so traced it breaks the graph inside
+   dispatch, and dynamo, failing to resume there, skips the model's compiled frame for good:
+   the next calls then compile the model's inner functions one by one, a recapture among them
+   (measured on the CPU: refused in the first call after a flagged warmup step). Uncompiled,
+   the rerun leaves the compiled code as the warmup left it.
 
 The lazy parts of a compiled function run in its first eager call: AOTAutograd compiles the
 backward at the first backward, Inductor loads and tunes its kernels at their first launch.
@@ -79,6 +86,20 @@ class EagerSignatures:
         """Whether a call with ``signature`` must run eagerly before it is captured: compiled
         code is in use and no eager call had this signature."""
         return signature not in self._seen and compile_in_use()
+
+
+@contextlib.contextmanager
+def running_uncompiled(enabled: bool = True):
+    """Inside the block ``torch.compile``'d functions run their original Python, eagerly:
+    nothing is compiled, guarded or marked (``set_stance("force_eager")``). graph_step's
+    dropless rerun runs so (NOTE [compile and capture], point 4). ``enabled=False`` does
+    nothing."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if not enabled or set_stance is None:
+        yield
+        return
+    with set_stance("force_eager"):
+        yield
 
 
 @contextlib.contextmanager

@@ -1,0 +1,148 @@
+"""Each cause of a failed capture triggered for real inside graph_step (NOTE [capture failure
+causes] in graphstash/graph/capture_errors.py): the CaptureError names the cause, the user's
+line and what to do, nothing of the failed capture stays allocated, and the step's update was
+not applied."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphstash
+from graphstash._checks import forbid_capture
+from graphstash.errors import CaptureError
+
+pytestmark = pytest.mark.gpu
+WIDTH = 64
+MiB = 2**20
+
+
+def _fail_at_capture(gen, hazard, warmup: int = 1):
+    """Train a small MLP under graph_step whose step calls ``hazard(x, h)`` (harmless eagerly);
+    return the CaptureError of the capture, after checking that it freed what it allocated and
+    applied no update."""
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(),
+                                torch.nn.Linear(WIDTH, WIDTH)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+
+    @graphstash.graph_step(optimizer=opt, warmup=warmup)
+    def train_step(x):
+        h = model(x)
+        h = hazard(x, h)
+        loss = h.pow(2).mean()
+        loss.backward()
+        return loss
+
+    x = torch.randn(32, WIDTH, generator=gen).cuda()
+    for _ in range(warmup):
+        train_step(x)
+    weights = [p.detach().clone() for p in model.parameters()]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(CaptureError) as info:
+        train_step(x)
+    error = info.value
+    del info
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before + MiB
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert train_step.stats.graphs == 0 and train_step.stats.steps == warmup
+    assert "capturing train_step failed at " in str(error) and __file__ in str(error)
+    return error
+
+
+def test_host_sync(gen):
+    def hazard(x, h):
+        if h.sum().item() > 1e30:               # reads the device: a sync
+            h = h * 2
+        return h
+
+    error = _fail_at_capture(gen, hazard)
+    assert error.cause == "host_sync", error
+    assert "h.sum().item()" in str(error) and "synchronised with the host" in str(error)
+
+
+def test_legacy_stream(gen):
+    def hazard(x, h):
+        with torch.cuda.stream(torch.cuda.default_stream()):     # the legacy default stream
+            y = x * 2
+        return h + y
+
+    error = _fail_at_capture(gen, hazard)
+    assert error.cause == "legacy_stream", error
+    assert "legacy default stream" in str(error) and "torch.cuda.current_stream()" in str(error)
+
+
+def test_pageable_copy(gen):
+    def hazard(x, h):
+        return h + torch.ones(WIDTH).to(h.device)              # host tensor, not pinned
+
+    error = _fail_at_capture(gen, hazard)
+    assert error.cause == "pageable_copy", error
+    assert "pageable" in str(error) and "pin" in str(error)
+
+
+def test_compile_inside_the_capture(gen):
+    settings = {"scale": 1.0}
+    compiled = torch.compile(lambda h: h * settings["scale"])
+
+    def hazard(x, h):
+        return compiled(h)
+
+    model_calls = []
+
+    def changing(x, h):
+        model_calls.append(1)
+        if len(model_calls) > 1:
+            settings["scale"] = 2.0             # after the warmup call: a guard fails
+        return hazard(x, h)
+
+    error = _fail_at_capture(gen, changing)
+    assert error.cause == "compile", error
+    assert "recompiled inside the capture" in str(error) and "scale" in str(error)
+
+
+def test_allocation_outside_the_pool(gen):
+    def hazard(x, h):
+        side = torch.cuda.Stream()              # not forked from the capturing stream
+        with torch.cuda.stream(side):
+            y = x * 2                           # allocated outside the graph's pool
+        torch.cuda.current_stream().wait_stream(side)
+        return h + y
+
+    error = _fail_at_capture(gen, hazard)
+    assert error.cause == "outside_pool", error
+    assert "wait_stream" in str(error) and "pool" in str(error)
+
+
+def test_pinned_allocation_inside_the_step(gen):
+    def hazard(x, h):
+        buffer = torch.empty(WIDTH, pin_memory=True)     # pinned host memory, in the step
+        return h + buffer.to(h.device, non_blocking=True).mul(0)
+
+    error = _fail_at_capture(gen, hazard)
+    assert error.cause == "outside_pool", error
+
+
+def test_optimizer_that_cannot_be_captured(gen):
+    extra = torch.nn.Parameter(torch.randn(WIDTH, device="cuda"))
+    other = torch.optim.AdamW([extra], lr=1e-3)          # capturable=False, stepped in the step
+
+    def hazard(x, h):
+        h = h + extra
+        other.step()
+        return h
+
+    error = _fail_at_capture(gen, hazard)
+    assert error.cause == "capturable_optimizer", error
+    assert "capturable=True" in str(error)
+
+
+def test_graphstash_refusal_keeps_its_message(gen):
+    def hazard(x, h):
+        forbid_capture("reading the stash demand")       # graphstash's own refusal
+        return h
+
+    error = _fail_at_capture(gen, hazard)
+    assert error.cause == "graphstash", error
+    assert "reading the stash demand cannot run while a CUDA graph is being captured" in \
+        str(error)
