@@ -13,25 +13,35 @@ from graphstash.errors import CaptureError
 from graphstash.graph import capture_errors, compile_guard
 from graphstash.graph.capture_errors import CAUSES, classify, describe, exception_chain
 
-# The first lines of what torch raises inside a capture, as torch 2.11 (CUDA 13) prints them
-# (CUDA errors: "CUDA error: <cudaGetErrorString>" then torch's advice lines).
+# What torch raises inside a capture: CUDA errors as torch 2.11 (CUDA 13) formats them on an
+# H100 (torch.AcceleratorError: "CUDA error: <cudaGetErrorString>", the error's name, torch's
+# advice), torch's own checks as their sources write them.
 _ADVICE = ("\nCUDA kernel errors might be asynchronously reported at some other API call, so "
            "the stacktrace below might be incorrect.\nFor debugging consider passing "
            "CUDA_LAUNCH_BLOCKING=1\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side "
            "assertions.\n")
+
+
+def _cuda_error(message: str, name: str) -> str:
+    return (f"CUDA error: {message}\nSearch for `{name}' in https://docs.nvidia.com/cuda/"
+            f"cuda-runtime-api/group__CUDART__TYPES.html for more information." + _ADVICE)
+
+
 CUDA_TEXTS = {
-    "legacy_stream": "CUDA error: operation would make the legacy stream depend on a "
-                     "capturing blocking stream" + _ADVICE,
-    "host_sync": "CUDA error: operation not permitted when stream is capturing" + _ADVICE,
+    "legacy_stream": _cuda_error("operation would make the legacy stream depend on a capturing "
+                                 "blocking stream", "cudaErrorStreamCaptureImplicit"),
+    "host_sync": _cuda_error("operation not permitted when stream is capturing",
+                             "cudaErrorStreamCaptureUnsupported"),
     "pageable_copy": "Cannot copy between CPU and CUDA tensors during CUDA graph capture "
                      "unless the CPU tensor is pinned.",
-    "outside_pool": "CUDA error: operation failed due to a previous error during capture"
-                    "\nSearch for `cudaErrorStreamCaptureIsolation' in https://docs.nvidia.com"
-                    "/cuda/cuda-runtime-api/group__CUDART__TYPES.html for more information."
-                    + _ADVICE,
+    "outside_pool": _cuda_error("dependency created on uncaptured work in another stream",
+                                "cudaErrorStreamCaptureIsolation"),
     "capturable_optimizer": "Attempting CUDA graph capture of step() for an instance of AdamW "
                             "but param_groups' capturable is False.",
 }
+UNJOINED = _cuda_error("capture sequence contains a fork that was not joined to the primary "
+                       "stream", "cudaErrorStreamCaptureUnjoined")
+ERROR_TYPE = getattr(torch, "AcceleratorError", RuntimeError)     # torch 2.11's CUDA errors
 
 
 @pytest.fixture(autouse=True)
@@ -51,10 +61,50 @@ def _raised(text: str, cls=RuntimeError) -> BaseException:
 
 @pytest.mark.parametrize("cause", sorted(CUDA_TEXTS))
 def test_each_cuda_error_text_is_its_own_cause(cause):
-    failure = classify(_raised(CUDA_TEXTS[cause]))
+    cls = ERROR_TYPE if CUDA_TEXTS[cause].startswith("CUDA error") else RuntimeError
+    failure = classify(_raised(CUDA_TEXTS[cause], cls))
     assert failure.cause == cause, failure
-    assert failure.error.startswith("RuntimeError: ") and "\n" not in failure.error
+    assert failure.error.startswith(f"{cls.__name__}: ") and "\n" not in failure.error
     assert failure.hint, failure
+
+
+def test_a_fork_never_joined_is_work_outside_the_graph():
+    failure = classify(_raised(UNJOINED, ERROR_TYPE))
+    assert failure.cause == "outside_pool" and "join" in failure.hint
+
+
+def _raised_in(path: str, function: str, text: str) -> BaseException:
+    """``RuntimeError(text)`` raised by a function ``function`` compiled as if it were in
+    ``path`` (the classifier reads file and function names of the traceback)."""
+    code = compile(f"def {function}():\n    raise RuntimeError({text!r})\n", path, "exec")
+    namespace: dict = {}
+    exec(code, namespace)
+    try:
+        namespace[function]()
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError("not raised")
+
+
+def test_cudagraph_trees_inside_the_capture_are_reduce_overhead():
+    """torch.compile(mode="reduce-overhead") replays and records graphs of its own: inside
+    graph_step's capture they fail with a host-sync error raised in Inductor's cudagraph
+    trees (measured: "operation not permitted when stream is capturing")."""
+    exc = _raised_in("/x/site-packages/torch/_inductor/cudagraph_trees.py", "run",
+                     CUDA_TEXTS["host_sync"])
+    failure = classify(exc)
+    assert failure.cause == "compile" and "reduce-overhead" in failure.error
+
+
+def test_inductor_runtime_frames_are_not_a_compile():
+    """compile_fx.py also holds the runtime wrappers of compiled code: a host sync raised
+    under them is a host sync, a compile function there is a compile."""
+    runtime = _raised_in("/x/site-packages/torch/_inductor/compile_fx.py", "run",
+                         CUDA_TEXTS["host_sync"])
+    assert classify(runtime).cause == "host_sync"
+    compiling = _raised_in("/x/site-packages/torch/_inductor/compile_fx.py", "compile_fx_inner",
+                           CUDA_TEXTS["host_sync"])
+    assert classify(compiling).cause == "compile"
 
 
 def test_every_cause_has_a_distinct_hint():
@@ -65,10 +115,9 @@ def test_every_cause_has_a_distinct_hint():
 def test_host_sync_is_not_the_answer_to_everything():
     """Before this classifier every capture failure was called a host sync: the texts of the
     other causes contain "capturing" and "capture" too."""
-    causes = {cause: classify(_raised(text)).cause for cause, text in CUDA_TEXTS.items()}
+    causes = {cause: classify(_raised(text, ERROR_TYPE)).cause
+              for cause, text in CUDA_TEXTS.items()}
     assert causes == {c: c for c in CUDA_TEXTS}
-    assert classify(_raised("CUDA error: operation not permitted when stream is capturing"))\
-        .cause == "host_sync"
 
 
 def test_a_refused_recompile_names_the_function_and_the_guard(gen):

@@ -185,14 +185,24 @@ def test_a_recompile_after_the_warmup_is_refused_naming_the_guard(gen):
 def test_a_new_shape_runs_one_eager_call_before_its_capture(gen):
     """on_new_shape='recapture' with compiled code: the first call of a new signature runs
     eagerly (it may compile: a full step, update applied), the next is the one captured."""
-    step, backend = _moe_case(gen, "budget", "inside")
+    model = MoEModel(CONFIG, mode="budget", seed=5)
+    backend = CountingBackend()
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    step = graphstash.graph_step(lambda x, p: (compiled(x) * p).sum().backward(),
+                                 optimizer=opt, warmup=2, on_new_shape="recapture")
+    xs, proj = _inputs(gen)
+    for x in xs:
+        step(x, proj)
     graphs = backend.graphs
-    step._on_new_shape = "recapture"
-    eager = step.stats.eager_steps
-    for _ in range(2):
-        step(torch.randn(CONFIG.num_tokens // 2, CONFIG.hidden, generator=gen))
-    assert step.stats.eager_steps == eager + 1 and step.stats.steps == STEPS + 2
-    assert backend.graphs > graphs                  # the new shape compiled, eagerly
+    half = CONFIG.num_tokens // 2
+    small, proj_small = _inputs(gen, n=2, tokens=half)
+    step(small[0], proj_small)              # new signature: eager, compiles
+    assert backend.graphs > graphs
+    graphs = backend.graphs
+    step(small[1], proj_small)              # as the capture would: refuses any compile
+    assert backend.graphs == graphs
+    assert step.stats.steps == STEPS + 2
 
 
 def test_the_dropless_rerun_runs_uncompiled_and_leaves_the_compiled_code_alone(gen):

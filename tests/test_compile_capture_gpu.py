@@ -209,6 +209,18 @@ def test_recompile_inside_the_capture_is_refused_naming_the_guard(gen):
     assert train_step.stats.captures == 1
 
 
+def test_reduce_overhead_inside_graph_step_is_refused_with_its_reason(gen):
+    """torch.compile(mode="reduce-overhead") records and replays CUDA graphs of its own, which
+    cannot run inside graph_step's capture: refused, naming the mode."""
+    model = MoEModel(CONFIG, mode="budget", seed=7, device="cuda")
+    compiled = torch.compile(model, mode="reduce-overhead")
+    xs, proj = _data(gen, n=3)
+    with pytest.raises(CaptureError) as info:
+        _graphed(compiled, model, xs, proj, "budget")
+    assert info.value.cause == "compile", info.value
+    assert "reduce-overhead" in str(info.value)
+
+
 # ---- HuggingFace models on the graphstash experts backend ------------------------------
 def _hf_models(name, gen, dtype):
     pytest.importorskip("transformers", reason="needs transformers (the hf / dev extra)")

@@ -2,8 +2,8 @@
 what each capture hazard raises on the GPU (probe, not shipped).
 
     python benchmarks/probes/compile_capture.py moe [SCENARIO ...]
-    python benchmarks/probes/compile_capture.py hf [--layers N] [--tokens T] [--stash]
-    python benchmarks/probes/compile_capture.py hazards
+    python benchmarks/probes/compile_capture.py hf [--layers N] [--tokens T] [--stash auto|always]
+    python benchmarks/probes/compile_capture.py hazards [--only NAME]
 
 ``moe`` trains the reference model (bf16, 2 layers, hidden 512, 4096 tokens) compiled at
 another moment each scenario: ``inside`` graph_step's warmup, ``eval`` (a no_grad pass before),
@@ -14,8 +14,9 @@ count), ``earlier`` (a graph_step before, released), ``recapture`` (a second sha
 (``mode="reduce-overhead"``, compiled inside / before). ``hf`` trains an OLMoE-shaped
 transformers model (hidden 2048, 64 experts top-8, expert ffn 1024, 16 heads, vocab 50304)
 on the "graphstash" experts backend, ``torch.compile(model)``, with or without a stash.
-``hazards`` runs one step hazard after another inside a graph_step capture and prints the
-exception chain each raised and, with this tree's graphstash, the cause it was given.
+``hazards`` runs one step hazard after another (or ``--only NAME``) inside a graph_step
+capture and prints the exception chain each raised and, with this tree's graphstash, the cause
+it was given.
 Prints one ``=== name: OK|FAILED`` line per case, then the chain of a failure.
 """
 from __future__ import annotations
@@ -117,7 +118,7 @@ def moe(scenario: str):
     return train.stats
 
 
-def hf(layers: int, tokens: int, stash: bool, hidden: int, experts: int, ffn: int):
+def hf(layers: int, tokens: int, stash: str | None, hidden: int, experts: int, ffn: int):
     import transformers as tf
 
     import graphstash.integrations.transformers as gst
@@ -135,7 +136,8 @@ def hf(layers: int, tokens: int, stash: bool, hidden: int, experts: int, ffn: in
     cm = torch.compile(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=True)
 
-    @graphstash.graph_step(optimizer=opt, stash=graphstash.StashConfig() if stash else None)
+    @graphstash.graph_step(optimizer=opt,
+                           stash=graphstash.StashConfig(policy=stash) if stash else None)
     def step(ids):
         loss = cm(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
@@ -170,7 +172,7 @@ def hazard_step(hazard, name):
     return train_step.stats
 
 
-def hazards():
+def hazards(only=None):
     settings = {"scale": 1.0, "calls": 0}
     compiled = torch.compile(lambda h: h * settings["scale"])
 
@@ -226,7 +228,9 @@ def hazards():
         "cupy_alloc": cupy_null_stream,
     }
     for name, hazard in cases.items():
-        run_case(f"hazard {name}", lambda: hazard_step(hazard, name))
+        if only is None or name == only:
+            run_case(f"hazard {name}", lambda: hazard_step(hazard, name))
+            torch.randn(4, device=DEV)      # raises if a failed capture left the RNG capturing
 
 
 def _on_legacy(x):
@@ -243,7 +247,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--stash", action="store_true")
+    parser.add_argument("--stash", default=None, choices=("auto", "always"),
+                        help="graph_step(stash=StashConfig(policy=...)); none without")
+    parser.add_argument("--only", default=None, help="hazards: run only this one")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, graphstash from {graphstash.__file__}", flush=True)
     if args.what == "moe":
@@ -256,7 +262,7 @@ def main() -> None:
                  lambda: hf(args.layers, args.tokens, args.stash, args.hidden, args.experts,
                             args.ffn))
     else:
-        hazards()
+        hazards(args.only)
     sys.stdout.flush()
 
 

@@ -2,7 +2,7 @@
 (probe, not shipped).
 
     python benchmarks/probes/graph_memory.py moe [--layers 4] [--tokens 8192] [--snapshots DIR]
-    python benchmarks/probes/graph_memory.py hf [--layers 2] [--tokens 8192] [--snapshots DIR]
+    python benchmarks/probes/graph_memory.py hf [--layers 2] [--tokens 8192] [--snapshots DIR] [--peer]
 
 ``moe``: the reference model at qwen3-30b-a3b layer widths (hidden 2048, expert ffn 768, 128
 experts top-8, SwiGLU, capacity 1.0), bf16; ``hf``: an OLMoE-shaped transformers model
@@ -12,7 +12,9 @@ seed: trained by a plain eager loop (the peak of its third step, after ``reset_p
 then by graph_step (warmup 2; the peak of the call that captures, and of a replay). Printed:
 the static bytes (parameters, gradients, optimizer state), each peak and the peak above the
 static bytes, the bytes allocated after the step, and after the capture the active bytes per
-memory pool (the graph's private pool against the ordinary one). With ``--snapshots`` the
+memory pool (the graph's private pool against the ordinary one), and the reserved memory
+(peak, and at the end) of each run. ``--peer`` (hf) first measures the same eager step with
+transformers' ``grouped_mm`` experts. With ``--snapshots`` the
 allocator history of the eager step and of the capture is written there (gzip pickles, as
 ``torch.cuda.memory._snapshot()`` returns it) for offline analysis.
 """
@@ -33,7 +35,7 @@ DEV = "cuda"
 GiB = 2**30
 
 
-def build(what: str, args):
+def build(what: str, args, implementation: str = "graphstash"):
     torch.manual_seed(0)
     if what == "moe":
         from graphstash.models import MoEConfig, MoEModel
@@ -60,9 +62,10 @@ def build(what: str, args):
                          eos_token_id=50279, pad_token_id=1)
     with torch.device(DEV):
         model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa",
-                                                    experts_implementation="graphstash")
+                                                    experts_implementation=implementation)
     model = model.to(torch.bfloat16)
-    gst.configure(model, stash=False)
+    if implementation == "graphstash":
+        gst.configure(model, stash=False)
     gen = torch.Generator(device=DEV).manual_seed(1)
     xs = [torch.randint(0, 50304, (args.tokens // 2048, 2048), device=DEV, generator=gen)
           for _ in range(5)]
@@ -98,8 +101,17 @@ def dump(path):
         print(f"   wrote {path} ({os.path.getsize(path) / 2**20:.1f} MiB)")
 
 
-def eager(what, args) -> dict:
-    model, xs, loss_of = build(what, args)
+def fresh() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def eager(what, args, implementation="graphstash") -> dict:
+    fresh()
+    model, xs, loss_of = build(what, args, implementation)
+    tag = what if implementation == "graphstash" else f"{what}_{implementation}"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=True)
     out = {}
     for i, x in enumerate(xs[:3]):
@@ -107,7 +119,7 @@ def eager(what, args) -> dict:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             out["before"] = torch.cuda.memory_allocated()
-            record(args.snapshots and os.path.join(args.snapshots, f"{what}_eager.pkl.gz"))
+            record(args.snapshots and os.path.join(args.snapshots, f"{tag}_eager.pkl.gz"))
         opt.zero_grad(set_to_none=True)
         loss_of(x).backward()
         opt.step()
@@ -115,13 +127,16 @@ def eager(what, args) -> dict:
             torch.cuda.synchronize()
             out["peak"] = torch.cuda.max_memory_allocated()
             out["after"] = torch.cuda.memory_allocated()
-            dump(args.snapshots and os.path.join(args.snapshots, f"{what}_eager.pkl.gz"))
+            dump(args.snapshots and os.path.join(args.snapshots, f"{tag}_eager.pkl.gz"))
     out["static"] = static_footprint(model, opt, device=DEV)
+    out["reserved_peak"] = torch.cuda.max_memory_reserved()
+    out["reserved"] = torch.cuda.memory_reserved()
     del model, opt, xs, loss_of
     return out
 
 
 def graphed(what, args) -> dict:
+    fresh()
     model, xs, loss_of = build(what, args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=True)
 
@@ -148,6 +163,8 @@ def graphed(what, args) -> dict:
             dump(args.snapshots and os.path.join(args.snapshots, f"{what}_graph.pkl.gz"))
             out["pools"] = pools()
     out["static"] = static_footprint(model, opt, device=DEV)
+    out["reserved_peak"] = torch.cuda.max_memory_reserved()
+    out["reserved"] = torch.cuda.memory_reserved()
     out["stats"] = step.stats
     step.release()
     del model, opt, xs, loss_of, step
@@ -160,13 +177,20 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--snapshots", default=None)
+    parser.add_argument("--peer", action="store_true",
+                        help="hf: also the eager step with transformers' grouped_mm experts")
     args = parser.parse_args()
     if args.layers is None:
         args.layers = 4 if args.what == "moe" else 2
-    print(f"{args.what}: {args.layers} layers, {args.tokens} tokens, bf16, AdamW fused", flush=True)
+    print(f"{args.what}: {args.layers} layers, {args.tokens} tokens, bf16, AdamW fused, "
+          f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}",
+          flush=True)
+    if args.peer and args.what == "hf":
+        p = eager(args.what, args, "grouped_mm")
+        print(f"   HF grouped_mm eager step 3: peak {p['peak'] / GiB:.3f} GiB, above static "
+              f"{(p['peak'] - p['static']) / GiB:.3f}, reserved peak "
+              f"{p['reserved_peak'] / GiB:.3f}", flush=True)
     e = eager(args.what, args)
-    gc.collect()
-    torch.cuda.empty_cache()
     g = graphed(args.what, args)
     s = e["static"]
     print(f"   static (params + grads + AdamW state): {s / GiB:.3f} GiB (graph run: "
@@ -180,6 +204,9 @@ def main() -> None:
               f"after {g[f'after{i}'] / GiB:.3f}")
     print(f"   ratio graph/eager peak: capture {g['peak2'] / e['peak']:.4f}, replay "
           f"{g['peak3'] / e['peak']:.4f}")
+    print(f"   reserved (whole run): eager peak {e['reserved_peak'] / GiB:.3f} GiB, at the end "
+          f"{e['reserved'] / GiB:.3f}; graph peak {g['reserved_peak'] / GiB:.3f}, at the end "
+          f"{g['reserved'] / GiB:.3f}")
     for pool, (active, reserved) in sorted(g["pools"].items()):
         print(f"   pool {pool}: active {active / GiB:.3f} GiB, reserved {reserved / GiB:.3f}")
     print(f"   graph stats: {g['stats']}", flush=True)

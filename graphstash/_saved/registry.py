@@ -71,7 +71,7 @@ class HookContext:
         self.owner = owner
         self.description = description
         self.payload = payload
-        # NOTE [untraced machinery]: torch.compile runs the hooks, never traces them
+        # torch.compile runs the hooks, never traces them (NOTE [untraced machinery])
         self._hooks = torch.autograd.graph.saved_tensors_hooks(untraced(pack), untraced(unpack))
 
     def __enter__(self) -> "HookContext":

@@ -28,7 +28,7 @@ from .._mode import dropless
 from ..errors import CaptureError, ReleasedError, UpdateAppliedError
 from ..status import StepStatus
 from . import _staging as S
-from . import capture_errors, compile_guard
+from . import capture_errors, capture_memory, compile_guard, failed_capture
 from ._update import DeviceUpdate, check_optimizer, has_state, hyperparameters
 from .protocol import StepParticipant
 
@@ -648,7 +648,7 @@ class GraphStep:
         if self._manager is not None:
             self._manager.warmup()
         self._zero_grad()                    # NOTE [gradients]
-        torch.cuda.synchronize(dev)
+        capture_memory.release_warmup_cache(dev)    # NOTE [capture memory]
         if self._stats.memory_before_capture is None:
             self._stats.memory_before_capture = torch.cuda.memory_allocated(dev)
         if self._update is not None:
@@ -673,12 +673,9 @@ class GraphStep:
                     with self._compiles_refused():             # NOTE [compile and capture]
                         out = self._captured_body(static_args, static_kwargs)
                 except BaseException:
-                    try:
-                        graph.capture_end()
-                    except Exception:     # the capture was already invalidated by the error
-                        pass
-                    raise
-                graph.capture_end()
+                    failed_capture.abandon_capture(graph, dev, self._generators)
+                    raise                               # NOTE [failed capture]
+                failed_capture.end_capture(graph, dev, self._generators)
         except BaseException as exc:
             del graph, inputs, static_args, static_kwargs
             self._zero_grad()

@@ -44,10 +44,15 @@ CAUSES = ("compile", "legacy_stream", "pageable_copy", "outside_pool", "capturab
 
 _COMPILE_TYPES = ("BackendCompilerFailed", "RecompileError", "InternalTorchDynamoError",
                   "TorchRuntimeError", "Unsupported")
-# frames that only compile (the runtime of compiled code runs elsewhere: output_code.py,
-# runtime_wrappers.py, eval_frame.py); a lazy backward compile passes through compile_fx.py
-_COMPILER_PATHS = ("/torch/_inductor/compile_fx.py", "/torch/_dynamo/convert_frame.py",
-                   "/torch/_dynamo/output_graph.py", "/torch/_dynamo/symbolic_convert.py")
+# frames that only compile: dynamo's tracing, the backend call, Inductor's compile functions
+# (compile_fx.py also holds the runtime wrappers of cudagraph-compiled code: its compile
+# functions are told by name); a lazy backward compile passes through compile_fx_inner
+_COMPILER_FILES = ("/torch/_dynamo/convert_frame.py", "/torch/_dynamo/output_graph.py",
+                   "/torch/_dynamo/symbolic_convert.py")
+_COMPILER_FUNCTIONS = ("compile_fx", "compile_fx_inner", "fx_codegen_and_compile",
+                       "_compile_fx_inner", "codegen_and_compile")
+# torch.compile(mode="reduce-overhead"): Inductor's own CUDA graphs (cudagraph trees)
+_CUDAGRAPH_FILES = ("/torch/_inductor/cudagraph_trees.py", "/torch/_inductor/cudagraph_utils.py")
 _LEGACY = ("legacy stream", "cudaerrorstreamcaptureimplicit")
 _PAGEABLE = ("cannot copy between cpu and cuda tensors during cuda graph capture",)
 _OUTSIDE_POOL = ("uncaptured work in another stream", "cudaerrorstreamcaptureisolation",
@@ -144,8 +149,21 @@ def _type_names(exc: BaseException) -> set[str]:
     return {cls.__name__ for cls in type(exc).__mro__}
 
 
-def _paths(exc: BaseException) -> list[str]:
-    return [f.filename.replace("\\", "/") for f in traceback.extract_tb(exc.__traceback__)]
+def _frames(exc: BaseException) -> list[tuple[str, str]]:
+    """``(path, function)`` of each frame of ``exc``'s traceback, outermost first."""
+    return [(f.filename.replace("\\", "/"), f.name)
+            for f in traceback.extract_tb(exc.__traceback__)]
+
+
+def _compiling(frames: list[tuple[str, str]]) -> bool:
+    return any(path.endswith(_COMPILER_FILES) or
+               ("/torch/_inductor/" in path and name in _COMPILER_FUNCTIONS)
+               for path, name in frames)
+
+
+def _in_cudagraph_trees(frames: list[tuple[str, str]]) -> bool:
+    return any(path.endswith(_CUDAGRAPH_FILES) or
+               ("/torch/_inductor/" in path and "cudagraph" in name) for path, name in frames)
 
 
 def _lines(exc: BaseException) -> list[str]:
@@ -165,13 +183,15 @@ def _compile_failure(chain: list[BaseException]) -> CaptureFailure | None:
                 detail = "it was not compiled (for these inputs) by any eager call before"
                 what = f"{details.where} would be compiled inside the capture"
             return CaptureFailure("compile", what, detail, _HINTS["compile"])
+    frames = [frame for exc in chain for frame in _frames(exc)]
+    if _in_cudagraph_trees(frames):
+        return CaptureFailure(
+            "compile", "a function compiled with torch.compile(mode='reduce-overhead') ran its "
+            "own CUDA graphs inside the capture", _first_line(chain[-1]), _HINTS["compile"])
     for exc in chain:
-        names = _type_names(exc)
-        compiler_frames = any(any(p in path for p in _COMPILER_PATHS) for path in _paths(exc))
-        if names & set(_COMPILE_TYPES) or compiler_frames:
-            inner = chain[-1]
+        if _type_names(exc) & set(_COMPILE_TYPES) or _compiling(_frames(exc)):
             return CaptureFailure("compile", "torch.compile compiled inside the capture",
-                                  _first_line(inner), _HINTS["compile"])
+                                  _first_line(chain[-1]), _HINTS["compile"])
     return None
 
 
@@ -232,8 +252,8 @@ def _user_frame(exc: BaseException) -> str:
         path = os.path.abspath(frame.filename)
         where = f" at {frame.filename}:{frame.lineno}" + (f" ({frame.line.strip()})"
                                                           if frame.line else "")
-        if path.startswith(_TORCH_DIR + os.sep):
-            continue
+        if path.startswith(_TORCH_DIR + os.sep) or "torchinductor" in path:
+            continue            # torch, or code Inductor generated
         if path.startswith(_PACKAGE_DIR + os.sep):
             fallback = fallback or where
             continue
