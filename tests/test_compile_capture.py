@@ -343,3 +343,11 @@ def test_eager_signatures_ask_for_an_eager_call_only_with_compiled_code(monkeypa
 def test_compile_in_use_after_a_compile():
     torch.compile(lambda x: x + 1, backend="eager")(torch.ones(1))
     assert compile_guard.compile_in_use()
+
+
+def test_stash_manager_warmup_before_a_capture_runs():
+    """graph_step calls StashManager.warmup() before every capture with a stash; after the
+    manager was split it read an attribute that had moved (every GPU capture with a stash
+    failed with AttributeError)."""
+    manager = graphstash.StashManager(graphstash.StashConfig(**STASH), device="cpu")
+    manager.warmup()

@@ -209,7 +209,7 @@ class StashManager:
         compile the kernels (NOTE [step protocol]). Not capturable."""
         forbid_capture("StashManager.warmup()")
         self.size_from_demand()
-        if self._cuda and _kernels.availability()[0]:
+        if self.device.type == "cuda" and _kernels.availability()[0]:
             _kernels.warmup(self.device)
 
     def grow(self, factor: float) -> bool:
