@@ -39,8 +39,7 @@ CUDA_TEXTS = {
     "capturable_optimizer": "Attempting CUDA graph capture of step() for an instance of AdamW "
                             "but param_groups' capturable is False.",
 }
-UNJOINED = _cuda_error("capture sequence contains a fork that was not joined to the primary "
-                       "stream", "cudaErrorStreamCaptureUnjoined")
+UNJOINED = _cuda_error("capturing stream has unjoined work", "cudaErrorStreamCaptureUnjoined")
 ERROR_TYPE = getattr(torch, "AcceleratorError", RuntimeError)     # torch 2.11's CUDA errors
 
 
@@ -212,6 +211,37 @@ def test_the_cause_is_found_anywhere_in_the_chain():
     exc = _raised("a")
     exc.__context__ = exc                           # a cycle ends the walk
     assert exception_chain(exc) == [exc] and chain
+
+
+def _work_on_a_side_stream(side):
+    """Stands for ``y = x * 2`` on a stream the capture does not include: the allocation of
+    ``y`` calls cudaMalloc outside the capture, refused with the host-sync error text
+    (measured on torch 2.11 inside graph_step)."""
+    with torch.cuda.stream(side):
+        raise ERROR_TYPE(CUDA_TEXTS["host_sync"])
+
+
+def test_an_error_inside_a_stream_block_is_work_outside_the_capture():
+    try:
+        _work_on_a_side_stream(None)
+    except ERROR_TYPE as raised:
+        exc = raised
+    failure = classify(exc)
+    assert failure.cause == "outside_pool", failure
+    assert "stream of its own" in failure.detail
+    message, _ = describe(exc, "train_step")
+    assert "with torch.cuda.stream(side)" not in message            # the line that raised
+    assert "raise ERROR_TYPE" in message and "wait_stream" in message
+
+
+def test_cupy_refused_by_the_capture_is_outside_the_pool():
+    """CuPy allocating by itself inside the capture (measured: cupy's CUDARuntimeError
+    "cudaErrorStreamCaptureUnsupported: operation not permitted when stream is capturing")."""
+    CUDARuntimeError = type("CUDARuntimeError", (RuntimeError,),
+                            {"__module__": "cupy_backends.cuda.api.runtime"})
+    failure = classify(_raised("cudaErrorStreamCaptureUnsupported: operation not permitted "
+                               "when stream is capturing", CUDARuntimeError))
+    assert failure.cause == "outside_pool" and "CuPy" in failure.detail
 
 
 def test_graphstash_refusals_keep_their_own_message():

@@ -277,9 +277,10 @@ def test_hf_model_on_the_graphstash_backend_with_a_stash(gen):
 
 def test_state_read_by_traced_code_holds_no_first_use_guard():
     """In a fresh thread, compiled code that asks for the running mode, the current status
-    and the current stash manager compiles once: no attribute appears after the first call
-    (NOTE [state read by traced code]). Created on first use, each put a hasattr guard on it
-    that failed at the second call."""
+    and the current stash manager compiles once, though a step, a manager and the mode come
+    and go between its calls: no attribute appears after the first call (NOTE [state read by
+    traced code]). Created on first use, each put a hasattr guard on it that failed at the
+    second call."""
     from graphstash import status as status_module
     from graphstash.stash import current_manager
 
@@ -301,6 +302,10 @@ def test_state_read_by_traced_code_holds_no_first_use_guard():
             x = torch.ones(3)
             for _ in range(3):
                 torch.testing.assert_close(compiled(x), x)
+                # a step, a stash manager and the mode come and go between the calls
+                with status_module.StepStatus("cpu").activate(), graphstash.dropless(False):
+                    with graphstash.StashManager(device="cpu"):
+                        pass
         except BaseException as exc:        # noqa: BLE001 - reported in the main thread
             errors.append(exc)
 

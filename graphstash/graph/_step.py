@@ -668,14 +668,15 @@ class GraphStep:
         t0 = time.perf_counter()
         try:
             with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
+                pool = failed_capture.new_pool()        # NOTE [failed capture]
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     with self._compiles_refused():             # NOTE [compile and capture]
                         out = self._captured_body(static_args, static_kwargs)
                 except BaseException:
-                    failed_capture.abandon_capture(graph, dev, self._generators)
-                    raise                               # NOTE [failed capture]
-                failed_capture.end_capture(graph, dev, self._generators)
+                    failed_capture.abandon_capture(graph, pool, dev, self._generators)
+                    raise
+                failed_capture.end_capture(graph, pool, dev, self._generators)
         except BaseException as exc:
             del graph, inputs, static_args, static_kwargs
             self._zero_grad()

@@ -11,14 +11,23 @@ the first cause that matches, in this order:
   function and the guard that failed); an Inductor or dynamo compile that still got there is
   recognised by its exception types and by the compiler's frames in the traceback. It comes
   first because a compile inside a capture fails with any of the errors below;
-- ``"legacy_stream"``: work on the legacy default stream while graph_step's stream captures
-  (``cudaErrorStreamCaptureImplicit``);
+- ``"legacy_stream"``: work on the legacy default stream while a *blocking* stream captures
+  (``cudaErrorStreamCaptureImplicit``). graph_step's own stream does not block (torch's
+  streams are created non-blocking), so this needs a blocking stream joined to the capture
+  (CuPy's streams block by default); work on the legacy stream beside graph_step's stream
+  alone is not refused: it runs at once and is missing from the graph (measured on torch
+  2.11);
 - ``"pageable_copy"``: a host-device copy from pageable memory (torch refuses it before the
   driver does);
-- ``"outside_pool"``: memory the graph's pool does not own: pinned host memory allocated
-  inside the step (the allocation is refused; the graph could not own it), or work and
-  allocations on a stream that was not forked from the capturing stream
-  (``cudaErrorStreamCaptureIsolation``, ``cudaErrorStreamCaptureUnjoined``);
+- ``"outside_pool"``: memory or work the graph does not own: an allocation on a stream the
+  capture does not include (the caching allocator then calls cudaMalloc outside the capture,
+  which the capturing thread may not: "operation not permitted when stream is capturing",
+  told from a host sync by the ``with ... stream(...)`` block around the line that raised),
+  CuPy allocating or launching by itself, a dependency on uncaptured work
+  (``cudaErrorStreamCaptureIsolation``) or a fork never joined back
+  (``cudaErrorStreamCaptureUnjoined``). A pinned host buffer allocated inside the step is not
+  refused by torch (measured on torch 2.11): the graph then copies from memory it does not
+  own, and nothing here can see it;
 - ``"capturable_optimizer"``: an optimizer step that cannot be captured;
 - ``"graphstash"``: graphstash's own refusal (a :class:`~graphstash.errors.CaptureError`
   raised inside the step, e.g. a stash buffer that the warmup did not size): its message
@@ -31,7 +40,9 @@ the first cause that matches, in this order:
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import os
+import re
 import traceback
 
 import torch
@@ -56,8 +67,9 @@ _CUDAGRAPH_FILES = ("/torch/_inductor/cudagraph_trees.py", "/torch/_inductor/cud
 _LEGACY = ("legacy stream", "cudaerrorstreamcaptureimplicit")
 _PAGEABLE = ("cannot copy between cpu and cuda tensors during cuda graph capture",)
 _OUTSIDE_POOL = ("uncaptured work in another stream", "cudaerrorstreamcaptureisolation",
-                 "fork that was not joined", "cudaerrorstreamcaptureunjoined")
-_PINNED_ALLOCATION = ("pin_memory", "pinned", "cachinghostallocator", "hostalloc")
+                 "unjoined work", "fork that was not joined", "cudaerrorstreamcaptureunjoined")
+# the line that raised sits in a ``with <...>.stream(...)`` block
+_STREAM_BLOCK = re.compile(r"^\s*with\b.*\bstream\s*\(")
 _HOST_SYNC = ("not permitted when stream is capturing", "cudaerrorstreamcaptureunsupported",
               "cudaerrorstreamcaptureinvalidated", "previous error during capture",
               "synchron", "during cuda graph capture")
@@ -166,10 +178,6 @@ def _in_cudagraph_trees(frames: list[tuple[str, str]]) -> bool:
                ("/torch/_inductor/" in path and "cudagraph" in name) for path, name in frames)
 
 
-def _lines(exc: BaseException) -> list[str]:
-    return [(f.line or "") for f in traceback.extract_tb(exc.__traceback__)]
-
-
 def _compile_failure(chain: list[BaseException]) -> CaptureFailure | None:
     for exc in chain:
         if compile_guard.is_refusal(exc):
@@ -223,11 +231,19 @@ def classify(exc: BaseException) -> CaptureFailure:
         if hit is not None:
             return CaptureFailure(cause, _first_line(hit), "", _HINTS[cause])
     sync = _matches(chain, _HOST_SYNC)
-    if sync is not None and any(any(n in line.lower() for n in _PINNED_ALLOCATION)
-                                for e in chain for line in _lines(e)[-1:]):
-        return CaptureFailure("outside_pool", _first_line(sync),
-                              "pinned host memory allocated inside the step",
-                              _HINTS["outside_pool"])
+    if sync is not None:
+        frame = _user_frame_summary(exc)
+        if frame is not None and _in_stream_block(frame):
+            return CaptureFailure("outside_pool", _first_line(sync),
+                                  "it ran on a stream of its own: a stream the capture does "
+                                  "not include allocates outside the graph's pool (refused)",
+                                  _HINTS["outside_pool"])
+        if any(type(e).__name__ == "CUDARuntimeError" and "cupy" in type(e).__module__
+               for e in chain):
+            return CaptureFailure("outside_pool", _first_line(sync),
+                                  "CuPy allocated memory or launched work itself, outside "
+                                  "torch's capture (CuPy's memory pool and streams)",
+                                  _HINTS["outside_pool"])
     hit = _matches(chain, ("capturable",))
     if hit is not None:
         return CaptureFailure("capturable_optimizer", _first_line(hit), "",
@@ -244,21 +260,51 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
-def _user_frame(exc: BaseException) -> str:
-    """`` at file:line (source)`` of the innermost frame of the user's code (outside torch and
-    graphstash), else of the innermost graphstash frame."""
-    fallback = ""
+def _user_frame_summary(exc: BaseException):
+    """The innermost frame of the user's code (outside torch, the code Inductor generates,
+    CuPy and graphstash), else the innermost graphstash frame, else None."""
+    fallback = None
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         path = os.path.abspath(frame.filename)
-        where = f" at {frame.filename}:{frame.lineno}" + (f" ({frame.line.strip()})"
-                                                          if frame.line else "")
-        if path.startswith(_TORCH_DIR + os.sep) or "torchinductor" in path:
-            continue            # torch, or code Inductor generated
-        if path.startswith(_PACKAGE_DIR + os.sep):
-            fallback = fallback or where
+        if (path.startswith(_TORCH_DIR + os.sep) or "torchinductor" in path
+                or "cupy" in path or not os.path.isabs(frame.filename)):
             continue
-        return where
+        if path.startswith(_PACKAGE_DIR + os.sep):
+            fallback = fallback or frame
+            continue
+        return frame
     return fallback
+
+
+def _user_frame(exc: BaseException) -> str:
+    """`` at file:line (source)`` of :func:`_user_frame_summary`, or ``""``."""
+    frame = _user_frame_summary(exc)
+    if frame is None:
+        return ""
+    return f" at {frame.filename}:{frame.lineno}" + (f" ({frame.line.strip()})"
+                                                     if frame.line else "")
+
+
+def _in_stream_block(frame) -> bool:
+    """Whether ``frame``'s line is inside a ``with ... stream(...):`` block of its function
+    (read from the source; False where the source is not available)."""
+    lines = linecache.getlines(frame.filename)
+    if not lines or not frame.lineno or frame.lineno > len(lines):
+        return False
+    text = lines[frame.lineno - 1]
+    indent = len(text) - len(text.lstrip())
+    for line in reversed(lines[max(0, frame.lineno - 200): frame.lineno - 1]):
+        stripped = line.lstrip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        depth = len(line) - len(stripped)
+        if depth < indent:
+            if _STREAM_BLOCK.match(line):
+                return True
+            if stripped.startswith(("def ", "async def ", "class ")):
+                return False
+            indent = depth
+    return False
 
 
 def describe(exc: BaseException, name: str, *, eager: bool = False) -> tuple[str, str]:
