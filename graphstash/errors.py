@@ -10,7 +10,15 @@ class GraphstashError(RuntimeError):
 
 
 class CaptureError(GraphstashError):
-    """An operation that would break (or was broken by) a CUDA graph capture."""
+    """An operation that would break (or was broken by) a CUDA graph capture.
+
+    ``cause`` says what happened when :func:`graphstash.graph_step` read it from a failed
+    capture (one of ``graphstash.graph.capture_errors.CAUSES``: ``"compile"``,
+    ``"host_sync"``, ...); None where graphstash refused an operation itself."""
+
+    def __init__(self, *args, cause: str | None = None):
+        super().__init__(*args)
+        self.cause = cause
 
 
 class BackendUnavailableError(GraphstashError):

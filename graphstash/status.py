@@ -296,20 +296,26 @@ class StepStatus:
 # through their model. Contexts may nest; the innermost one wins, and one on another device
 # than the tensors is not used. With none current, :func:`default` gives a status per device
 # (NOTE [eager over budget] in graphstash/moe/_dispatch.py says who reads that one).
-_state = threading.local()
+class _CurrentState(threading.local):
+    """The thread's stack of current statuses, there (empty) from the first access, so code
+    torch.compile traces reads it without a ``hasattr`` guard (NOTE [state read by traced
+    code] in ``graphstash/_mode.py``)."""
+
+    def __init__(self):
+        self.stack = []
+
+
+_state = _CurrentState()
 
 
 def _stack() -> list:
-    stack = getattr(_state, "stack", None)
-    if stack is None:
-        stack = _state.stack = []
-    return stack
+    return _state.stack
 
 
 def current(device=None) -> StepStatus | None:
     """The innermost current status (NOTE [current step]), or None when there is none or
     (with ``device``) when it lives on another device."""
-    stack = getattr(_state, "stack", None)
+    stack = _state.stack
     if not stack:
         return None
     owner = stack[-1]
@@ -385,4 +391,5 @@ def warn_at_call_site(message: str, category=RuntimeWarning) -> None:
 def reading_allowed() -> bool:
     """Whether a host read of a device flag may happen here: not while a CUDA stream captures
     nor while torch.compile traces."""
-    return not is_capturing() and not torch.compiler.is_compiling()
+    # is_compiling first: while torch.compile traces, the capture query is never traced
+    return not torch.compiler.is_compiling() and not is_capturing()

@@ -14,7 +14,7 @@ from graphstash import _layout as L
 from graphstash.errors import ReleasedError
 from graphstash.graph import DeviceUpdate, GraphStep, check_optimizer, graph_step
 from graphstash.graph import _staging as S
-from graphstash.graph._step import _capture_failure_message
+from graphstash.graph.capture_errors import describe as describe_capture_failure
 
 
 class FlaggingMLP(torch.nn.Module):
@@ -500,7 +500,7 @@ def test_capture_failure_message_names_the_line():
     try:
         step()
     except RuntimeError as exc:
-        msg = _capture_failure_message(exc, "train_step")
+        msg, _ = describe_capture_failure(exc, "train_step")
     assert "capturing train_step failed at" in msg and "test_graph.py" in msg
     assert "raise RuntimeError" in msg and ".item()" in msg
 

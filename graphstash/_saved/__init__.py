@@ -20,11 +20,12 @@ Nothing here touches the GPU at import time; nothing here knows about pages, hos
 """
 from __future__ import annotations
 
-from .registry import HookContext, innermost, thread_stack
+from .registry import HookContext, ThreadStack, innermost, thread_stack
 from .retire import RetireQueue
 from .select import is_marked, is_parameter, mark_not_movable, movable
 from .streams import Mark, SideStream
 from .version import Kept, SavedVersion
 
-__all__ = ["HookContext", "Kept", "Mark", "RetireQueue", "SavedVersion", "SideStream", "innermost",
-           "is_marked", "is_parameter", "mark_not_movable", "movable", "thread_stack"]
+__all__ = ["HookContext", "Kept", "Mark", "RetireQueue", "SavedVersion", "SideStream",
+           "ThreadStack", "innermost", "is_marked", "is_parameter", "mark_not_movable", "movable",
+           "thread_stack"]

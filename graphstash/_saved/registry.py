@@ -16,9 +16,20 @@ import threading
 
 import torch
 
+from .._untraced import untraced
 from ..errors import SavedTensorsError
 
-_tls = threading.local()
+
+class ThreadStack(threading.local):
+    """A ``stack`` list per thread, there (empty) from the thread's first access: code that
+    torch.compile traces reads it without a ``hasattr`` guard that would flip after the first
+    call (NOTE [state read by traced code] in ``graphstash/_mode.py``)."""
+
+    def __init__(self):
+        self.stack = []
+
+
+_tls = ThreadStack()
 
 
 def thread_stack(local: threading.local) -> list:
@@ -60,7 +71,8 @@ class HookContext:
         self.owner = owner
         self.description = description
         self.payload = payload
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        # torch.compile runs the hooks, never traces them (NOTE [untraced machinery])
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(untraced(pack), untraced(unpack))
 
     def __enter__(self) -> "HookContext":
         stack = _stack()

@@ -29,6 +29,7 @@ from .._mode import dropless
 from ..errors import CaptureError, ReleasedError, UpdateAppliedError
 from ..status import StepStatus
 from . import _staging as S
+from . import capture_errors, capture_memory, compile_guard, failed_capture
 from ._binding import CapturedState, step_running
 from ._data_parallel import DDP_WARMUP, check_ddp, find_ddp, quiet_sampling
 from ._options import StepOptions, keyword_signature
@@ -220,35 +221,10 @@ def _refuse_unrun_result(out, name: str) -> None:
 _RUNNING = threading.local()        # GraphSteps whose step function runs on this thread
 
 
-def _capture_failure_message(exc: BaseException, name: str, ddp: bool = False) -> str:
-    """Explain a failed capture: the error, the line of user code that raised, what to change."""
-    text = f"{type(exc).__name__}: {exc}".strip()
-    first_line = text.splitlines()[0] if text else type(exc).__name__
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = ""
-    for frame in reversed(frames):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" in path or "/graphstash/graph/" in path:
-            continue
-        where = f" at {frame.filename}:{frame.lineno}" + (f" ({frame.line.strip()})" if frame.line else "")
-        break
-    lowered = text.lower()
-    if "capturable" in lowered:
-        hint = ("construct the optimizer with capturable=True (graphstash.graph_step checks "
-                "this before capturing)")
-    elif any(s in lowered for s in ("capturing", "capture", "not permitted", "synchron")):
-        hint = ("the step synchronised with the host, which a CUDA graph cannot contain: remove "
-                ".item(), .tolist(), .cpu(), float(tensor), print(tensor), torch.nonzero, "
-                "boolean-mask indexing and other data-dependent shapes from the step, or move "
-                "them out of the decorated function")
-    else:
-        hint = "the step raised while it was being captured; it must run unchanged on every call"
-    if ddp and "synchronised" in hint:
-        hint = ("the optimizer's parameters belong to a DistributedDataParallel module: DDP must "
-                "be constructed on a side stream (with torch.cuda.stream(torch.cuda.Stream()): "
-                "model = DDP(model, ...)), or its gradient hooks sync with the default stream, "
-                "which a capture cannot contain (NOTE [DDP]); otherwise " + hint)
-    return f"capturing {name} failed{where}: {first_line}. {hint}"
+_DDP_HINT = ("the optimizer's parameters belong to a DistributedDataParallel module: DDP must be "
+             "constructed on a side stream (with torch.cuda.stream(torch.cuda.Stream()): model = "
+             "DDP(model, ...)), or its gradient hooks sync with the default stream, which a "
+             "capture cannot contain (NOTE [DDP])")
 
 
 class GraphStep:
@@ -310,6 +286,8 @@ class GraphStep:
         self._last_replay: ReplayInfo | None = None
         self._fn_running = False
         self._warned_contract = False
+        self._eager_signatures = compile_guard.EagerSignatures()   # NOTE [compile and capture]
+        self._refuse_compiles = False
         if self.optimizer is not None:           # NOTE [step ownership], [checkpoint and resume]
             me = weakref.ref(self)
             hooks = (self.optimizer.register_step_pre_hook(functools.partial(_refuse_step, me)),
@@ -590,6 +568,8 @@ class GraphStep:
         entry = self._graphs.get(sig)
         if entry is None:
             self._refuse_new_signature(sig, args, kwargs)
+            if self._eager_signatures.needs_eager_call(sig):    # NOTE [compile and capture]
+                return self._eager_call(args, kwargs, sig)
             entry = self._capture(sig, leaves, spec, args, kwargs)
         else:
             self._graphs[sig] = self._graphs.pop(sig)     # most recently used last
@@ -604,8 +584,15 @@ class GraphStep:
                 "capture, and the inner update would be the outer step's). Call the inner "
                 "function undecorated (NOTE [steps that never ran])")
 
-    def _eager_call(self, args, kwargs):
-        """A warmup step (or the eager step after replaced state): eager, counted when applied."""
+    def _eager_call(self, args, kwargs, sig=None):
+        """A call run eagerly on purpose (warmup, the eager step after replaced state, the first
+        call of a new signature once torch.compile is in use), counted when its update is
+        applied; the signatures that ran eagerly are recorded (NOTE [compile and capture])."""
+        if sig is None:
+            try:
+                sig = S.signature(*S.flatten_call(args, kwargs))
+            except TypeError:       # warmup calls take what a capture would refuse (numpy, ...)
+                sig = None
         steps = self._stats.steps
         try:
             return self._eager_step(args, kwargs, side_stream=self.graphed)
@@ -614,6 +601,18 @@ class GraphStep:
                 self._eager_done += 1
                 self._stats.eager_steps += 1
                 self._eager_pending = max(0, self._eager_pending - 1)
+                if sig is not None:
+                    self._eager_signatures.ran(sig)
+
+    @contextlib.contextmanager
+    def _compiles_refused(self, enabled: bool = True):
+        """While set, the step function's non-dropless runs refuse torch.compile compiles
+        (NOTE [compile and capture]); the dropless rerun may compile."""
+        previous, self._refuse_compiles = self._refuse_compiles, enabled
+        try:
+            yield
+        finally:
+            self._refuse_compiles = previous
 
     # ---- between calls: replaced state, changed hyperparameters -------------------------
     def _check_held_state(self) -> None:
@@ -721,12 +720,21 @@ class GraphStep:
         if self._hyper is not None:
             self._hyper.write()          # as before a replay: the bookkeeping, floats stay in use
         static_args, static_kwargs = inputs.args_kwargs()
+        # where a GPU run would capture, a compile is refused as in the capture; a signature
+        # that never ran eagerly runs once first, as there (NOTE [compile and capture])
+        first = self._eager_signatures.needs_eager_call(sig)
         steps = self._stats.steps
         try:
-            out = self._eager_step(static_args, static_kwargs)
+            with self._compiles_refused(not first):
+                out = self._eager_step(static_args, static_kwargs)
+        except RuntimeError as exc:
+            if not first and compile_guard.is_refusal(exc):
+                raise capture_errors.capture_error(exc, self._name, eager=True) from exc
+            raise
         finally:
             if self._stats.steps > steps:       # completed (NOTE [transactional rerun])
                 self._stats.eager_steps += 1
+                self._eager_signatures.ran(sig)
                 if new:
                     self._cpu_inputs[sig] = inputs
                     self._evict(self._cpu_inputs, sig)
@@ -804,7 +812,10 @@ class GraphStep:
 
     def _run_fn(self, args, kwargs, *, is_dropless: bool):
         manager = self._manager
-        with dropless(is_dropless), self.step_status.activate():     # NOTE [current step]
+        refuse = self._refuse_compiles and not is_dropless        # NOTE [compile and capture]
+        with dropless(is_dropless), self.step_status.activate(), \
+                compile_guard.refusing_compiles(refuse), \
+                compile_guard.running_uncompiled(is_dropless):    # NOTE [current step]
             if manager is None:
                 return self._fn(*args, **kwargs)
             with manager:
@@ -929,7 +940,7 @@ class GraphStep:
         self._zero_grad()                    # NOTE [gradients]
         if self._hyper is not None:
             self._hyper.write()              # before the capture: the graph reads the tensors
-        torch.cuda.synchronize(dev)
+        capture_memory.release_warmup_cache(dev)    # NOTE [capture memory]
         if self._stats.memory_before_capture is None:
             self._stats.memory_before_capture = torch.cuda.memory_allocated(dev)
         if self._update is not None:
@@ -949,16 +960,15 @@ class GraphStep:
         t0 = time.perf_counter()
         try:
             with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
+                pool = failed_capture.new_pool()        # NOTE [failed capture]
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
-                    out = self._captured_body(static_args, static_kwargs)
+                    with self._compiles_refused():             # NOTE [compile and capture]
+                        out = self._captured_body(static_args, static_kwargs)
                 except BaseException:
-                    try:
-                        graph.capture_end()
-                    except Exception:     # the capture was already invalidated by the error
-                        pass
+                    failed_capture.abandon_capture(graph, pool, dev, self._generators)
                     raise
-                graph.capture_end()
+                failed_capture.end_capture(graph, pool, dev, self._generators)
         except BaseException as exc:
             del graph, inputs, static_args, static_kwargs
             self._zero_grad()
@@ -970,8 +980,10 @@ class GraphStep:
             traceback.clear_frames(exc.__traceback__)   # drop the activations its frames hold
             if isinstance(exc, (_StepCalledError, _NeverRanError)):
                 raise                                   # the same error as eagerly
-            raise CaptureError(_capture_failure_message(exc, self._name, bool(self._ddp))) \
-                from exc
+            message, cause = capture_errors.describe(exc, self._name)
+            if self._ddp and cause == "host_sync":
+                message += " " + _DDP_HINT[0].upper() + _DDP_HINT[1:] + "."
+            raise CaptureError(message, cause=cause) from exc
         current.wait_stream(stream)
         capture_s = time.perf_counter() - t0
         grads = []

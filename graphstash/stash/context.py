@@ -7,6 +7,7 @@ from .. import _kernels
 from .._checks import COUNT_DTYPES, describe
 from .._mode import is_dropless
 from .._saved import HookContext, innermost
+from .._untraced import untraced
 from ._group import Group, Scope
 from .manager import StashManager, current_default
 
@@ -103,6 +104,7 @@ class stash_activations:
         self._group = None
         self._scope = None
 
+    @untraced                       # NOTE [untraced machinery]
     def __enter__(self) -> "stash_activations":
         if self._entered:
             raise RuntimeError("stash_activations: a context object can be entered only once")
@@ -141,6 +143,7 @@ class stash_activations:
         self._group, self._scope, self._manager = group, scope, manager
         return self
 
+    @untraced
     def __exit__(self, exc_type, exc, tb) -> bool:
         if self._noop:
             return False

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 import warnings
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from .. import _kernels
 from .. import _layout as L
 from .._checks import describe, forbid_capture, is_capturing, normalize_device
-from .._saved import thread_stack
+from .._saved import ThreadStack, thread_stack
 from ..errors import OverBudgetError, SavedTensorsError, StashOverflowError
 from ..status import StepStatus
 from .buffers import StashBuffers
@@ -28,7 +27,7 @@ from .trace import StashTrace
 
 EAGER_OVERFLOW = ("raise", "warn")
 
-_defaults = threading.local()      # .stack: the `with manager:` blocks of this thread
+_defaults = ThreadStack()      # .stack: the `with manager:` blocks of this thread
 
 
 def _default_stack() -> list:
@@ -210,7 +209,7 @@ class StashManager:
         compile the kernels (NOTE [step protocol]). Not capturable."""
         forbid_capture("StashManager.warmup()")
         self.size_from_demand()
-        if self._cuda and _kernels.availability()[0]:
+        if self.device.type == "cuda" and _kernels.availability()[0]:
             _kernels.warmup(self.device)
 
     def grow(self, factor: float) -> bool:
