@@ -73,13 +73,15 @@ def test_legacy_stream(gen):
     side = torch.cuda.ExternalStream(cupy.cuda.Stream(non_blocking=False).ptr)
 
     def hazard(x, h):
+        # in place, so that nothing is allocated on either stream (an allocation on the legacy
+        # stream would need cudaMalloc, refused as an allocation outside the pool first)
         side.wait_stream(torch.cuda.current_stream())          # joins the capture
         with torch.cuda.stream(side):
-            y = x * 2
+            x.add_(0.0)
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.stream(torch.cuda.default_stream()):   # the legacy default stream
-            z = x * 3
-        return h + y + z
+            x.mul_(1.0)
+        return h
 
     error = _fail_at_capture(gen, hazard)
     assert error.cause == "legacy_stream", error

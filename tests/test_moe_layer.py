@@ -328,8 +328,8 @@ def test_handle_checks_and_layer_on_the_gpu(gen, dtype):
         out = combine(y, handle, weighted=False)
         grads.append((out.detach(),) + torch.autograd.grad((out.float() * proj).sum(),
                                                            (x, w1, w2)))
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
+    for name, a, b in zip(("out", "x.grad", "w1.grad", "w2.grad"), *grads):
+        assert torch.equal(a, b), f"{name}: regathered differs by {(a - b).abs().max()}"
     layer = moe_layer(x, idx, w, w1, w2, E, gated=True, budget=budget, pad_multiple=8)
     assert torch.equal(layer.detach(), grads[0][0])
     permuted, counts, handle = dispatch(x, idx, w, E, budget=budget, pad_multiple=8)

@@ -51,6 +51,13 @@ _WHERE = re.compile(r"filename: '(?P<file>[^']*)', function name: '(?P<function>
 _GUARD = re.compile(r"^\s*-\s+\d+/\d+:\s*(?P<guard>\S.*?)\s*$")     # "- 0/1: <guard>  # <line>"
 
 
+def compiler_loaded() -> bool:
+    """Whether ``torch._dynamo`` is imported: ``torch.compile`` imports it, so without it no
+    compiled function exists in the process. The stances are set only then: setting one
+    imports dynamo, which must not happen inside a capture (its import touches the device)."""
+    return "torch._dynamo" in sys.modules
+
+
 def compile_in_use() -> bool:
     """True once torch.compile has traced a frame in this process (so a compiled function may
     run inside a step). Unknown internals count as True: the cost of a wrong True is one eager
@@ -95,7 +102,7 @@ def running_uncompiled(enabled: bool = True):
     dropless rerun runs so (NOTE [compile and capture], point 4). ``enabled=False`` does
     nothing."""
     set_stance = getattr(torch.compiler, "set_stance", None)
-    if not enabled or set_stance is None:
+    if not enabled or set_stance is None or not compiler_loaded():
         yield
         return
     with set_stance("force_eager"):
@@ -115,7 +122,7 @@ def refusing_compiles(enabled: bool = True):
             compiled_model(x)        # raises instead of recompiling
     """
     set_stance = getattr(torch.compiler, "set_stance", None)
-    if not enabled or set_stance is None:
+    if not enabled or set_stance is None or not compiler_loaded():
         yield
         return
     with set_stance("fail_on_recompile"):
