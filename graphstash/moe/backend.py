@@ -51,9 +51,27 @@ REFERENCE = Kernels("reference", _reference_moe.gather_rows, _reference_moe.comb
                     _reference_experts.act_backward, None, None)
 
 
+# NOTE [reference kernels under torch.compile]: the reference kernels write into outputs the
+# caller allocated (``out = x.new_empty(...)``, then ``out.copy_(...)``), as the CUDA kernels
+# do. Traced by dynamo inside an autograd.Function's forward, a fresh tensor filled in place
+# and returned loses its gradient on torch 2.11 (measured on the CPU: every gradient of a
+# compiled MoE layer came out zero; torch 2.13 traces it right). The registered operators
+# declare what they write (``mutates_args``) and are opaque to dynamo, and their CPU kernel is
+# the reference itself, so a trace on the CPU takes them instead: the same arithmetic, in a
+# form every torch version traces correctly. (CUDA tensors take the operators anyway; a GPU
+# without CuPy runs the reference uncompiled only.)
+TRACED_REFERENCE = Kernels("reference", OPERATORS.gather_rows, OPERATORS.combine_rows,
+                           OPERATORS.weight_grad, OPERATORS.act_forward, OPERATORS.act_backward,
+                           None, None)
+
+
 def kernels_for(backend: str, device: torch.device) -> Kernels:
     """The kernels for tensors on ``device``: ``backend`` is ``"auto"``, ``"cupy"`` or
     ``"reference"`` (ValueError naming ``backend`` otherwise;
     :class:`~graphstash.BackendUnavailableError` for ``"cupy"`` where CuPy cannot run)."""
     name, _ = _backend.resolve(backend, device)
-    return OPERATORS if name == "cupy" else REFERENCE
+    if name == "cupy":
+        return OPERATORS
+    if device.type == "cpu" and torch.compiler.is_compiling():
+        return TRACED_REFERENCE          # NOTE [reference kernels under torch.compile]
+    return REFERENCE
