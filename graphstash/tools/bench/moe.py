@@ -408,7 +408,6 @@ def run(quick: bool = False, args=None, *, device=None, compile_kwargs: dict | N
         device = torch.device("cuda", torch.cuda.current_device())
     device = torch.device(device)
     on_gpu = device.type == "cuda"
-    dtype = DTYPE
     device_name = f"bf16, {torch.cuda.get_device_name(device)}" if on_gpu else \
         "bf16 on the CPU (graph_step runs eagerly; no memory figures)"
     rank = torch.distributed.get_rank() if group is not None else 0
@@ -427,7 +426,7 @@ def run(quick: bool = False, args=None, *, device=None, compile_kwargs: dict | N
             config = dataclasses.replace(config, layers=_fit_layers(config, world, device))
         if world > 1 and config.chunk_factor is None:
             config = dataclasses.replace(config, chunk_factor=config.capacity_factor)
-        batches = training.batches(config, 4, seed=1234 + rank, device=device, dtype=dtype)
+        batches = training.batches(config, 4, seed=1234 + rank, device=device, dtype=DTYPE)
         results = {}
         for mode in modes:
             if mode in ("plain graph", "plain compiled graph") and world > 1:
