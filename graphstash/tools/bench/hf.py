@@ -364,11 +364,12 @@ def print_runs(name: str, c: HFBenchConfig, runs: dict, where: str) -> None:
     print_table(f"{name}: {c.layers} layers, hidden {c.hidden}, {c.num_experts} experts "
                 f"top-{c.topk}, ffn {c.ffn}, {c.heads} heads, vocab {c.vocab}, {c.batch} x "
                 f"{c.seq_len} = {tokens} tokens/step, AdamW, {c.steps} steps ({where})",
-                ["run", "status", "step ms", "tokens/s", "vs HF eager", "/best HF", "peak GiB",
+                ["run", "status", "step ms", "tokens/s", "speed-up", "/best HF", "peak GiB",
                  "peak/best HF", "act. peak GiB", "max rel loss diff", "reruns"], rows)
     best = best_hf(runs)
-    print(f"vs HF eager: speed-up over {REFERENCE!r}; /best HF, peak/best HF: over the fastest "
-          f"HF run, {best!r}; loss difference: to {REFERENCE!r}, largest over the steps"
+    print(f"speed-up: the step time of {REFERENCE} over the run's; /best HF, peak/best HF: "
+          f"the run's over those of {best} (the fastest HF run); max rel loss diff: to "
+          f"{REFERENCE}, the largest over the steps"
           if best else "no HF run worked: nothing to compare with")
     for run, why in failed:
         print(f"  {run}: failed: {why}")
