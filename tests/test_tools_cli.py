@@ -111,6 +111,12 @@ BAD_FLAGS = [
     (["bench", "moe", "--hidden", "64"], "--ffn: a custom shape needs"),
     (["bench", "moe", "--modes", "graph"], "--modes: expected names from"),
     (["bench", "moe", "--steps", "0"], "--steps: expected a positive int, got 0"),
+    (["bench", "moe", "--modes", "plain compiled"], "--modes: expected names from"),
+    (["bench", "hf", "--layers", "0"], "--layers: expected a positive int, got 0"),
+    (["bench", "hf", "--batch", "-2"], "--batch: expected a positive int, got -2"),
+    (["bench", "hf", "--seq", "1"], "--seq: expected an int >= 2, got 1"),
+    (["bench", "hf", "--steps", "3"], "--steps: expected an int >= 4, got 3"),
+    (["bench", "hf", "--runs", "HF compiled"], "--runs: expected names from"),
     (["memory", "--top", "0"], "--top: expected a positive int, got 0"),
     (["bench", "--json", "/missing/dir/r.json"], "--json: expected a file in an existing directory"),
     (["bench", "stash", "--plot", "{tmp}/a_file"], "--plot: expected a directory, got the file"),
@@ -142,6 +148,9 @@ def test_bad_flag_stops_before_any_work_with_one_line(capsys, tmp_path, monkeypa
 
 @pytest.mark.parametrize("argv, flag", [(["memory", "--mode", "fast"], "--mode"),
                                         (["memory", "--preset", "gpt-5"], "--preset"),
+                                        (["bench", "hf", "--preset", "gpt-5"], "--preset"),
+                                        (["bench", "moe", "--preset", "olmoe-1b-7b"],
+                                         "--preset"),
                                         (["demo", "--size", "huge"], "--size")])
 def test_argparse_choices_name_the_flag(capsys, argv, flag):
     with pytest.raises(SystemExit) as info:
@@ -187,7 +196,14 @@ def test_bench_suite_help_describes_the_suite_and_the_gpu(capsys, suite):
         first = " ".join(suite_module(suite).__doc__.split("\n\n")[0].split())
         assert first in out
     if suite in ("moe", "all"):
-        assert "--capacity-factor" in out and "--preset" in out
+        assert "--capacity-factor" in out and "--preset" in out and "--profile" in out
+        for mode in ("plain compiled eager", "plain compiled graph", "graph + budget compiled"):
+            assert mode in out
+    elif suite == "hf":
+        for option in ("--preset", "--layers", "--batch", "--seq", "--steps", "--runs",
+                       "olmoe-1b-7b", "graphstash + compile + graph_step",
+                       "HF grouped_mm + compile (reduce-overhead)"):
+            assert option in out, option
     else:
         assert "--preset" not in out
 
@@ -200,6 +216,12 @@ def test_bench_options_before_or_after_the_suite():
     assert (args.suite, args.quick, args.json_path) == ("stash", True, None)
     args = parser.parse_args(["bench"])
     assert args.suite is None and not args.quick          # runs the kernels suite
+    args = parser.parse_args(["bench", "--quick", "hf", "--preset", "olmoe-1b-7b", "--layers",
+                              "2", "--seq", "512", "--runs", "graphstash + compile"])
+    assert (args.suite, args.quick, args.hf_preset, args.hf_layers, args.hf_seq,
+            args.hf_runs) == ("hf", True, "olmoe-1b-7b", 2, 512, "graphstash + compile")
+    args = parser.parse_args(["bench", "moe", "--profile"])
+    assert args.profile
 
 
 def test_cli_module_is_the_installed_script():

@@ -69,13 +69,15 @@ class TrainingRun:
 
     ``step(x, y)`` runs one training step on a batch of :func:`batches` and returns the loss
     (a detached float32 scalar). ``graph`` is the :class:`graphstash.GraphStep` behind it, or
-    ``None`` for an eager loop.
+    ``None`` for an eager loop; ``compiled`` the ``torch.compile`` wrapper of ``model`` the
+    step calls, or ``None`` when it calls ``model`` itself.
     """
 
     model: MoEModel
     optimizer: torch.optim.Optimizer
     step: Callable
     graph: GraphStep | None
+    compiled: torch.nn.Module | None = None
 
     @property
     def stash_manager(self):
@@ -90,7 +92,7 @@ class TrainingRun:
 
 def build(config: MoEConfig, mode: str, device: torch.device, dtype: torch.dtype, *,
           graphed: bool, seed: int = 0, lr: float = 1e-4, stash=None, group=None,
-          warmup: int = WARMUP) -> TrainingRun:
+          warmup: int = WARMUP, compile_kwargs: dict | None = None) -> TrainingRun:
     """The model of ``config`` in ``mode`` (a :class:`~graphstash.models.MoEModel` mode:
     ``"dropless"``, ``"budget"``, ``"stash"`` or ``"plain"``) with AdamW and its step.
 
@@ -107,6 +109,11 @@ def build(config: MoEConfig, mode: str, device: torch.device, dtype: torch.dtype
             ``mode="stash"``.
         group: ``torch.distributed`` group for expert parallelism.
         warmup: ``graph_step``'s eager warmup calls.
+        compile_kwargs: the step calls ``torch.compile(model, **compile_kwargs)`` (``{}``:
+            torch.compile's defaults, Inductor) instead of the model; ``None``: uncompiled.
+            The wrapper is made here, before any warmup; the step's first call compiles it
+            (under ``graph_step``: the first warmup call, NOTE [compile and capture] in
+            ``graphstash/graph/compile_guard.py``).
     """
     on_gpu = device.type == "cuda"
     if on_gpu:
@@ -116,9 +123,14 @@ def build(config: MoEConfig, mode: str, device: torch.device, dtype: torch.dtype
     model = MoEModel(config, mode=mode, group=group, seed=seed, device=device, dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=on_gpu or None,
                             capturable=on_gpu and graphed)
+    if compile_kwargs is not None and not isinstance(compile_kwargs, dict):
+        raise TypeError(f"compile_kwargs: expected a dict of torch.compile arguments or None, "
+                        f"got {type(compile_kwargs).__name__}")
+    compiled = None if compile_kwargs is None else torch.compile(model, **compile_kwargs)
+    runs = model if compiled is None else compiled
 
     def forward_backward(x, y):
-        loss = loss_of(model, x, y)
+        loss = loss_of(runs, x, y)
         loss.backward()
         return loss.detach()
 
@@ -128,11 +140,11 @@ def build(config: MoEConfig, mode: str, device: torch.device, dtype: torch.dtype
             loss = forward_backward(x, y)
             opt.step()
             return loss
-        return TrainingRun(model, opt, step, None)
+        return TrainingRun(model, opt, step, None, compiled)
     # dispatch raises its flags in the running step's status (no status= wiring)
     train_step = graph_step(forward_backward, optimizer=opt, stash=stash, warmup=warmup,
                             device=device)
-    return TrainingRun(model, opt, train_step, train_step)
+    return TrainingRun(model, opt, train_step, train_step, compiled)
 
 
 @contextlib.contextmanager

@@ -58,6 +58,8 @@ def add_arguments(parser) -> None:
         _common(p, argparse.SUPPRESS)
         if name in ("moe", "all"):
             suite_module("moe").add_arguments(p)
+        if name == "hf":
+            suite_module("hf").add_arguments(p)
 
 
 def check_flags(args) -> tuple:
@@ -71,6 +73,10 @@ def check_flags(args) -> tuple:
         moe = suite_module("moe")
         moe.configs_from_args(args, args.quick)
         moe.modes_from_args(args)
+    if "hf" in suites:
+        hf = suite_module("hf")
+        hf.configs_from_args(args, args.quick)
+        hf.runs_from_args(args)
     return suites
 
 

@@ -8,10 +8,20 @@ Every mode is a full training step (forward, backward, fused AdamW) of
   ``torch._grouped_mm`` over exactly T*K rows, ``index_add_``; :mod:`graphstash.models.plain`),
   eagerly and captured by :func:`graphstash.graph_step` (one GPU only: under expert
   parallelism it reads its all-to-all split sizes back to the host every layer);
+- ``plain compiled eager`` / ``plain compiled graph``: the same peer ``torch.compile``d
+  (default mode: Inductor fuses its elementwise work as graphstash's kernels do), in an eager
+  loop and under ``graph_step``: what users who compile would run (one GPU only);
 - ``eager dropless``: graphstash's dispatch sized from the real counts (host reads), eager;
 - ``graph + budget``: static-budget dispatch, the step captured by ``graph_step``;
-- ``graph + budget + stash``: the same with ``stash_activations`` around the experts
+- ``graph + budget compiled``: the same model ``torch.compile``d, under ``graph_step``;
+- ``graph + budget + stash``: graph + budget with ``stash_activations`` around the experts
   (``graph_step(stash=...)``, device tier).
+
+A compiled mode wraps the model in ``torch.compile(model)`` before the warmup; its first
+warmup call compiles it, and the capture compiles nothing (NOTE [compile and capture] in
+``graphstash/graph/compile_guard.py``). Dynamo's caches are reset before every mode, so no
+mode runs code another compiled or meets the recompile limit. A mode that fails (a refused
+capture, say) is reported in the table with its reason and the others still run (one GPU).
 
 Configurations: the presets at real layer widths (``graphstash.models.PRESETS``:
 ``qwen3-30b-a3b``, ``mixtral-8x7b``; gated experts, 8192 tokens per rank, as many layers as
@@ -21,11 +31,15 @@ launch-bound and memory-bound configurations of earlier figures. Expert parallel
 rank 0 prints; figures are the largest over the ranks).
 
 Columns: step time (median of CUDA-event samples of back-to-back calls, each call a whole
-decorated step: staging, replay and status read), its ratio to the peer (graphed peer for
-graphed modes where there is one, else the eager peer), the peak memory over the capture and
-the timed steps above the memory before the model was built (NOTE [steady-state peak]), the
-activation peak (that peak less parameters, gradients and optimizer state), the bytes each
-rank sends to other ranks per step (counted over one eager step), and the flags.
+decorated step: staging, replay and status read), its ratio to the best peer of the same run
+(the fastest of the four plain modes that ran: the compiled peer graphed, where it ran, is
+the bar), the peak memory over the capture and the timed steps above the memory before the
+model was built (NOTE [steady-state peak]), the activation peak (that peak less parameters,
+gradients and optimizer state) and its ratio to the best peer's, the bytes each rank sends to
+other ranks per step (counted over one eager step), and the flags. ``--profile``: a second
+table per configuration gives each mode's kernel time per step and its shares in grouped
+GEMMs, other GEMMs, the optimizer and the rest (:mod:`~graphstash.tools.bench.kernel_share`;
+torch.profiler over a few steps after the timed ones).
 """
 from __future__ import annotations
 
@@ -40,7 +54,9 @@ import torch
 from ...memory import static_footprint
 from ...models import PRESETS, MoEConfig
 from .. import options, training
-from .timing import event_ms
+from . import failures
+from .kernel_share import GROUPS, profile_steps
+from .meter import DeviceMeter
 
 # NOTE [bench budgets]: the launch-bound and memory-bound configurations size their static
 # buffers at twice the average rows a rank receives (capacity_factor=2.0), the worst case at
@@ -59,11 +75,17 @@ QUICK = {
     "qwen3-30b-a3b (1 layer, 2048 tokens)": dataclasses.replace(
         PRESETS["qwen3-30b-a3b"], layers=1, num_tokens=2048),
 }
-MODES = ("plain eager", "plain graph", "eager dropless", "graph + budget",
-         "graph + budget + stash")
-GRAPHED = ("plain graph", "graph + budget", "graph + budget + stash")
-MODEL_MODE = {"plain eager": "plain", "plain graph": "plain", "eager dropless": "dropless",
-              "graph + budget": "budget", "graph + budget + stash": "stash"}
+MODES = ("plain eager", "plain graph", "plain compiled eager", "plain compiled graph",
+         "eager dropless", "graph + budget", "graph + budget compiled", "graph + budget + stash")
+GRAPHED = ("plain graph", "plain compiled graph", "graph + budget", "graph + budget compiled",
+           "graph + budget + stash")
+COMPILED = ("plain compiled eager", "plain compiled graph", "graph + budget compiled")
+PEERS = ("plain eager", "plain graph", "plain compiled eager", "plain compiled graph")
+MODEL_MODE = {"plain eager": "plain", "plain graph": "plain", "plain compiled eager": "plain",
+              "plain compiled graph": "plain", "eager dropless": "dropless",
+              "graph + budget": "budget", "graph + budget compiled": "budget",
+              "graph + budget + stash": "stash"}
+PROFILE_STEPS = 3   # steps torch.profiler records per mode under --profile
 DTYPE = torch.bfloat16
 
 
@@ -72,6 +94,10 @@ def add_arguments(parser) -> None:
     g = parser.add_argument_group("moe suite")
     g.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="one preset only (default: every preset and configuration)")
+    g.add_argument("--profile", action="store_true",
+                   help=f"also profile {PROFILE_STEPS} steps of each mode (torch.profiler) and "
+                   "print the shares of kernel time in grouped GEMMs, other GEMMs, the "
+                   "optimizer and the rest")
     for name, help_ in (("hidden", f"hidden width, a multiple of {options.HIDDEN_MULTIPLE}"),
                         ("ffn", "expert ffn width"),
                         ("experts", "experts in total"), ("topk", "experts per token"),
@@ -192,7 +218,8 @@ def count_exchange(group):
 
 def stash_config(device: torch.device):
     """The :class:`~graphstash.StashConfig` of the ``graph + budget + stash`` mode on the CUDA
-    ``device`` (``graphstash memory --mode stash`` uses it too).
+    ``device`` (``graphstash memory --mode stash`` uses it too; on the CPU, where the tests
+    run the mode, one copy block).
 
     NOTE [bench pool factor]: the pool is 1.05x the demand of the warmup steps: a layer's
     live rows vary by well under 1 % between random routings here. A step that outgrows it is
@@ -205,106 +232,167 @@ def stash_config(device: torch.device):
     """
     import graphstash
 
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    on_gpu = torch.device(device).type == "cuda"
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 2
     return graphstash.StashConfig(host_tier=False, copy_blocks=max(1, sms // 2),
                                   device_factor=1.05, prefetch="after_release")
 
 
 def run_mode(mode: str, config: MoEConfig, group, device, batches: list, steps: int, *,
-             stash=None) -> dict:
+             stash=None, compile_kwargs: dict | None = None, profile: bool = False) -> dict:
     """Build ``mode`` (one of :data:`MODES`) of ``config``, warm up (capture), time ``steps``
-    steps on ``batches`` (:func:`graphstash.tools.training.batches`, at least 3, on the CUDA
+    steps on ``batches`` (:func:`graphstash.tools.training.batches`, at least 3, on
     ``device``); returns the figures the module docstring lists, as a dict.
 
-    ``group``: ``torch.distributed`` group for expert parallelism (None: one GPU); ``stash``:
-    the :class:`~graphstash.StashConfig` of the stash mode (default :func:`stash_config`).
+    ``device``: a CUDA device; on the CPU (the tests) graph_step runs every step eagerly, the
+    times are the host clock's and the memory figures None. ``group``: ``torch.distributed``
+    group for expert parallelism (None: one GPU); ``stash``: the :class:`~graphstash.StashConfig`
+    of the stash mode (default :func:`stash_config`); ``compile_kwargs``: ``torch.compile``'s
+    arguments for the modes of :data:`COMPILED` (default ``{}``: Inductor, default mode);
+    ``profile``: add ``"kernels"`` (:func:`~graphstash.tools.bench.kernel_share.profile_steps`
+    of :data:`PROFILE_STEPS` steps; CUDA only, None elsewhere).
     Example::
 
         figures = run_mode("graph + budget", CONFIGS["launch-bound"], None, device, batches, 20)
     """
-    torch.cuda.synchronize(device)
-    gc.collect()                  # the previous mode's step, model and graph, if in a cycle
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    if len(batches) < 3:
+        raise ValueError(f"batches: expected at least 3 (two warmup steps and the capture), "
+                         f"got {len(batches)}")
+    meter = DeviceMeter(device)
+    torch._dynamo.reset()         # no compiled code, guard or recompile count of another mode
+    meter.settle()                # the previous mode's step, model and graph, if in a cycle
+    meter.reset_peak()
+    base = meter.allocated()
     graphed = mode in GRAPHED
     if mode == "graph + budget + stash" and stash is None:
         stash = stash_config(device)
     elif mode != "graph + budget + stash":
         stash = None
-    run_ = training.build(config, MODEL_MODE[mode], device, DTYPE, graphed=graphed, seed=0,
-                          lr=1e-4, stash=stash, group=group)
+    if mode in COMPILED:
+        compile_kwargs = {} if compile_kwargs is None else dict(compile_kwargs)
+    else:
+        compile_kwargs = None
+    run_ = training.build(config, MODEL_MODE[mode], device, batches[0][0].dtype,
+                          graphed=graphed, seed=0, lr=1e-4, stash=stash, group=group,
+                          compile_kwargs=compile_kwargs)
     one, step = run_.step, run_.graph
-
-    with count_exchange(group) as sent:
-        one(*batches[0])                                  # eager in every mode
-    one(*batches[1])
-    torch.cuda.synchronize(device)
-    # NOTE [steady-state peak]: the warmup steps are left out of the peak (the first one runs
-    # before the stash pool is sized); the capture and the timed steps count.
-    torch.cuda.reset_peak_memory_stats(device)
-    one(*batches[2])                                      # graphed modes: the capture
     counter = iter(range(1 << 30))
-    samples = []
-    for _ in range(steps):
-        samples.append(event_ms(lambda: one(*batches[next(counter) % len(batches)]), 1))
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
+
+    def next_step():
+        return one(*batches[next(counter) % len(batches)])
+
+    with training.quiet_cpu_graph_step(meter.on_gpu):
+        with count_exchange(group) as sent:
+            one(*batches[0])                              # eager in every mode (compiles)
+        one(*batches[1])
+        meter.sync()
+        # NOTE [steady-state peak]: the warmup steps are left out of the peak (the first one
+        # runs before the stash pool is sized); the capture and the timed steps count.
+        meter.reset_peak()
+        one(*batches[2])                                  # graphed modes: the capture
+        samples = [meter.time_ms(next_step) for _ in range(steps)]
+        meter.sync()
+        peak = meter.peak_above(base)
+        kernels = None
+        if profile and meter.on_gpu:
+            kernels = profile_steps(next_step, PROFILE_STEPS)
     static = static_footprint(run_.model, run_.optimizer, device=device)
     stats = step.stats if graphed else None
     plan = step.stash_manager.plan() if mode == "graph + budget + stash" else []
-    figures = torch.tensor([statistics.median(samples), peak / 2**20, (peak - static) / 2**20,
-                            sent[0] / 2**20,
-                            float(stats.over_budget if stats else 0),
-                            float(stats.overflows if stats else 0),
-                            float(stats.eager_reruns if stats else 0)],
-                           dtype=torch.float64, device=device)
+    figures = [statistics.median(samples), sent[0] / 2**20,
+               float(stats.over_budget if stats else 0), float(stats.overflows if stats else 0),
+               float(stats.eager_reruns if stats else 0)]
+    if peak is not None:
+        figures += [peak / 2**20, (peak - static) / 2**20]
     if group is not None:
+        figures = torch.tensor(figures, dtype=torch.float64, device=device)
         torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MAX, group=group)
-    step_ms, peak_mib, act_mib, sent_mib, over_budget, overflow, reruns = figures.tolist()
+        figures = figures.tolist()
+    step_ms, sent_mib, over_budget, overflow, reruns = figures[:5]
+    peak_mib, act_mib = figures[5:] if peak is not None else (None, None)
     run_.release()
     del run_, one, step
     return {"step_ms": step_ms, "peak_mib": peak_mib, "activation_peak_mib": act_mib,
             "exchanged_mib": sent_mib, "over_budget": int(over_budget),
             "overflow": int(overflow), "reruns": int(reruns),
-            "stashed_groups": sum(r["stashed"] for r in plan), "groups": len(plan)}
+            "stashed_groups": sum(r["stashed"] for r in plan), "groups": len(plan),
+            "kernels": kernels}
 
 
-def _peer_of(mode: str, results: dict):
-    if mode in GRAPHED and "plain graph" in results and "step_ms" in results["plain graph"]:
-        return "plain graph"
-    return "plain eager" if "plain eager" in results else None
+def best_peer(results: dict):
+    """The fastest mode of :data:`PEERS` in ``results`` (``{mode: figures}``) that ran, or
+    None: the bar every mode's ratio is taken against."""
+    ran = [m for m in PEERS if m in results and "step_ms" in results[m]]
+    return min(ran, key=lambda m: results[m]["step_ms"]) if ran else None
 
 
-def _print_table(name: str, config: MoEConfig, world: int, results: dict) -> None:
+def add_ratios(results: dict):
+    """Set each mode's ``ratio_to_best_peer`` (step time) and ``activation_ratio_to_best_peer``
+    (None where a figure is missing); returns the best peer's name (:func:`best_peer`)."""
+    peer = best_peer(results)
+    p = results.get(peer, {}) if peer else {}
+    for r in results.values():
+        if "step_ms" not in r:
+            continue
+        r["ratio_to_best_peer"] = r["step_ms"] / p["step_ms"] if p.get("step_ms") else None
+        act, p_act = r.get("activation_peak_mib"), p.get("activation_peak_mib")
+        r["activation_ratio_to_best_peer"] = act / p_act if act is not None and p_act else None
+    return peer
+
+
+def _cell(value, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
+
+
+def _print_table(name: str, config: MoEConfig, world: int, results: dict, peer,
+                 device_name: str) -> None:
     print(f"\nMoE {name}: {config.layers} layers, hidden {config.hidden}, ffn {config.ffn}"
           f"{' (gated)' if config.gated else ''}, {config.num_experts} experts top-"
           f"{config.topk}, {config.num_tokens} tokens/rank, capacity factor "
-          f"{config.capacity_factor}, EP={world}, bf16, {torch.cuda.get_device_name()}")
+          f"{config.capacity_factor}, EP={world}, {device_name}")
     if world > 1:
         print("figures: the largest over the ranks; flags: set on any rank")
-    print(f"{'mode':<24}{'step ms':>9}{'/peer':>7}{'peak MiB':>10}{'act MiB':>9}{'act/peer':>9}"
+    print(f"{'mode':<25}{'step ms':>9}{'/best':>7}{'peak MiB':>10}{'act MiB':>9}{'act/best':>9}"
           f"{'sent MiB':>10}  flags (over_budget, overflow, reruns)")
     for mode, r in results.items():
         if "error" in r:
-            print(f"{mode:<24}  {r['error']}")
+            print(f"{mode:<25}  {r['error']}")
             continue
-        peer = _peer_of(mode, results)
-        p = results.get(peer, {}) if peer else {}
-        t_ratio = f"{r['step_ms'] / p['step_ms']:.3f}" if "step_ms" in p else "-"
-        a_ratio = (f"{r['activation_peak_mib'] / p['activation_peak_mib']:.2f}"
-                   if p.get("activation_peak_mib") else "-")
-        print(f"{mode:<24}{r['step_ms']:>9.2f}{t_ratio:>7}{r['peak_mib']:>10.0f}"
-              f"{r['activation_peak_mib']:>9.0f}{a_ratio:>9}{r['exchanged_mib']:>10.1f}"
+        print(f"{mode:<25}{r['step_ms']:>9.2f}{_cell(r['ratio_to_best_peer'], '.3f', 7)}"
+              f"{_cell(r['peak_mib'], '.0f', 10)}{_cell(r['activation_peak_mib'], '.0f', 9)}"
+              f"{_cell(r['activation_ratio_to_best_peer'], '.2f', 9)}{r['exchanged_mib']:>10.1f}"
               f"  {r['over_budget']}, {r['overflow']}, {r['reruns']}"
               + (f"; stashed {r['stashed_groups']}/{r['groups']} groups" if r["groups"] else ""))
-    print("/peer: time over 'plain graph' for graphed modes, over 'plain eager' for eager ones;"
-          " stashed: groups the stash plan stashed (NOTE [stash plan])")
+    print(f"/best: time (act/best: activation peak) over the best peer of this run, {peer!r} "
+          "(the fastest plain mode); stashed: groups the stash plan stashed (NOTE [stash plan])"
+          if peer else "/best: no peer ran in this run")
+    profiled = {m: r["kernels"] for m, r in results.items() if r.get("kernels")}
+    if profiled:
+        print(f"kernel time per step (torch.profiler, {PROFILE_STEPS} steps after the timed "
+              "ones) and its shares")
+        print(f"{'mode':<25}{'step ms':>9}{'kernel ms':>10}{'kernels':>9}"
+              + "".join(f"{g:>14}" for g in GROUPS))
+        for mode, k in profiled.items():
+            share = k["shares"] or {}
+            print(f"{mode:<25}{results[mode]['step_ms']:>9.2f}{k['kernel_ms_per_step']:>10.2f}"
+                  f"{k['kernels_per_step']:>9.0f}"
+                  + "".join(f"{100 * share[g]:>13.1f}%" if g in share else f"{'-':>14}"
+                            for g in GROUPS))
+        print("shares of the summed kernel time, kernels grouped by name "
+              "(graphstash/tools/bench/kernel_share.py)")
 
 
-def run(quick: bool = False, args=None) -> dict:
+def run(quick: bool = False, args=None, *, device=None, compile_kwargs: dict | None = None
+        ) -> dict:
     """Benchmark the modes on the configurations the command line selects; returns
-    ``{config: {mode: figures}}``."""
+    ``{config: {"config", "results": {mode: figures}, "best_peer"}}``.
+
+    ``device``: default the current CUDA device; the CPU runs every mode eagerly at the sizes
+    given (the tests). ``compile_kwargs``: ``torch.compile``'s arguments for the compiled modes
+    (default: its defaults).
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     group = None
     if world > 1:
@@ -316,15 +404,21 @@ def run(quick: bool = False, args=None) -> dict:
         if not dist.is_initialized():
             dist.init_process_group("nccl", device_id=torch.device("cuda", local))
         group = dist.group.WORLD
-    device = torch.device("cuda", torch.cuda.current_device())
+    if device is None or world > 1:
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    on_gpu = device.type == "cuda"
+    device_name = f"bf16, {torch.cuda.get_device_name(device)}" if on_gpu else \
+        "bf16 on the CPU (graph_step runs eagerly; no memory figures)"
     rank = torch.distributed.get_rank() if group is not None else 0
     configs = configs_from_args(args, quick, notes=False)
     modes = modes_from_args(args)
     steps = getattr(args, "steps", None) or (5 if quick else 20)
+    profile = bool(getattr(args, "profile", False))
     explicit_layers = getattr(args, "layers", None) is not None
     out = {}
     for name, config in configs.items():
-        if name in PRESETS and not explicit_layers:
+        if name in PRESETS and not explicit_layers and on_gpu:
             # what the previous configuration's modes left (graphs, cached blocks) is not
             # this one's to lose: collect it before measuring the free memory
             gc.collect()
@@ -335,11 +429,24 @@ def run(quick: bool = False, args=None) -> dict:
         batches = training.batches(config, 4, seed=1234 + rank, device=device, dtype=DTYPE)
         results = {}
         for mode in modes:
-            if mode == "plain graph" and world > 1:
+            if mode in ("plain graph", "plain compiled graph") and world > 1:
                 results[mode] = {"error": "not capturable: reads its split sizes back"}
                 continue
-            results[mode] = run_mode(mode, config, group, device, batches, steps)
+            if mode in COMPILED and world > 1:
+                results[mode] = {"error": "one GPU only (compiled modes)"}
+                continue
+            if world > 1:           # a failure on one rank only would leave the others waiting
+                results[mode] = run_mode(mode, config, group, device, batches, steps,
+                                         compile_kwargs=compile_kwargs, profile=profile)
+                continue
+            try:
+                results[mode] = run_mode(mode, config, group, device, batches, steps,
+                                         compile_kwargs=compile_kwargs, profile=profile)
+            except Exception as exc:            # reported in the table; the next mode runs
+                results[mode] = {"error": "failed: " + failures.describe(exc)}
+        peer = add_ratios(results)
         if rank == 0:
-            _print_table(name, config, world, results)
-        out[name] = {"config": dataclasses.asdict(config), "results": results}
+            _print_table(name, config, world, results, peer, device_name)
+        out[name] = {"config": dataclasses.asdict(config), "results": results,
+                     "best_peer": peer}
     return out
