@@ -220,3 +220,12 @@ def test_threads_combine_figures_and_report_the_failing_rank():
     with pytest.raises(ep_ranks.RankError, match="rank 1 of 3 .* KeyError: \"rank one's own"):
         ep_ranks.run_threads(3, cpu, one_fails)
     assert not [t for t in threading.enumerate() if t.name.startswith("ep-rank-")]
+
+
+def test_graph_step_takes_release_warmup_cache_as_a_bool():
+    from graphstash import graph_step
+
+    assert graph_step(lambda: None, release_warmup_cache=False).options.release_warmup_cache \
+        is False
+    with pytest.raises(TypeError, match="release_warmup_cache: expected a bool, got str"):
+        graph_step(lambda: None, release_warmup_cache="no")

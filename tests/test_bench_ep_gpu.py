@@ -56,3 +56,27 @@ def test_processes_sharing_the_gpu_run_the_transport_rows(monkeypatch, capsys):
     assert entry["ep"]["kind"] == "processes"
     _check_transport_rows(entry, "ipc")
     print(capsys.readouterr().out)
+
+
+def test_a_step_told_not_to_release_the_warmup_cache_captures_without_it(monkeypatch):
+    import torch
+
+    import graphstash
+    from graphstash.graph import capture_memory
+
+    def refused(device):
+        raise AssertionError("the capture synchronized the device and released the cache")
+
+    monkeypatch.setattr(capture_memory, "release_warmup_cache", refused)
+    w = torch.randn(64, 64, device="cuda", requires_grad=True)
+    opt = torch.optim.AdamW([w], lr=1e-3, fused=True, capturable=True)
+
+    @graphstash.graph_step(optimizer=opt, release_warmup_cache=False)
+    def step(x):
+        loss = (x @ w).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    for _ in range(4):
+        step(torch.randn(8, 64, device="cuda"))
+    assert step.stats.captures == 1 and step.stats.replays == 2
