@@ -538,7 +538,7 @@ def test_options_are_one_dataclass_with_the_public_keywords():
     from graphstash.graph import StepOptions
 
     fields = {f.name: f.default for f in dataclasses.fields(StepOptions)}
-    assert len(fields) == 15
+    assert len(fields) == 16
     for fn in (graph_step, GraphStep):
         params = inspect.signature(fn).parameters
         assert list(params) == ["fn", *fields]

@@ -73,6 +73,7 @@ class StepOptions:
     distributed: object = "auto"
     update_skip: str = "auto"
     device: torch.device | None = None
+    release_warmup_cache: bool = True
 
     def __post_init__(self):
         opt = self.optimizer
@@ -122,6 +123,9 @@ class StepOptions:
         if self.update_skip not in ("auto", "found_inf", "mask"):
             raise ValueError(f"update_skip: expected 'auto', 'found_inf' or 'mask', got "
                              f"{self.update_skip!r}")
+        if not isinstance(self.release_warmup_cache, bool):
+            raise TypeError(f"release_warmup_cache: expected a bool, got "
+                            f"{type(self.release_warmup_cache).__name__}")
         object.__setattr__(self, "budget_growth", float(growth))
         object.__setattr__(self, "generators", _check_generators(self.generators))
         object.__setattr__(self, "device", _check_device(self.device))

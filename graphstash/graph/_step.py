@@ -257,6 +257,7 @@ class GraphStep:
         self._distributed_arg = opts.distributed
         self._update_skip = opts.update_skip
         self._device_arg = opts.device
+        self._release_warmup_cache = opts.release_warmup_cache
 
         self._device: torch.device | None = None
         self._status: StepStatus | None = None
@@ -940,7 +941,8 @@ class GraphStep:
         self._zero_grad()                    # NOTE [gradients]
         if self._hyper is not None:
             self._hyper.write()              # before the capture: the graph reads the tensors
-        capture_memory.release_warmup_cache(dev)    # NOTE [capture memory]
+        if self._release_warmup_cache:
+            capture_memory.release_warmup_cache(dev)    # NOTE [capture memory]
         if self._stats.memory_before_capture is None:
             self._stats.memory_before_capture = torch.cuda.memory_allocated(dev)
         if self._update is not None:
@@ -1136,6 +1138,11 @@ def graph_step(fn=None, **options):
         update_skip: ``"auto"``, ``"found_inf"`` or ``"mask"`` (NOTE [update skipping]).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device`` (default: the
             optimizer's parameters).
+        release_warmup_cache: before a capture, synchronize the device and give the ordinary
+            pool's free blocks back to it (NOTE [capture memory]). False skips both, for steps
+            that share the device with other threads whose work waits on this step's kernels
+            (expert-parallel ranks run as threads of one process: NOTE [in-process ranks]);
+            the caller then frees the warmup's cache at a point where that is safe.
 
     The options are one frozen :class:`~graphstash.graph.StepOptions` (an unknown keyword or a
     bad value raises TypeError/ValueError naming it). The step function must not call

@@ -11,7 +11,8 @@ kernels run side by side. Each rank issues its exchanges from its own thread: a 
 on the device for the other ranks' kernels, which only their threads launch. Two things must
 not block a thread's host while its exchange is in flight: a device-wide synchronize
 (``torch.cuda.synchronize``, which ``torch.cuda.graph`` calls on entry: capture with
-``capture_begin`` on a side stream), and a host read inside backward (autograd runs every
+``capture_begin`` on a side stream, or ``graph_step(release_warmup_cache=False)`` as NOTE
+[in-process bench ranks] does), and a host read inside backward (autograd runs every
 rank's CUDA backward on one device thread, so one rank blocked there stalls the others'
 backward, and with it its own exchange): capture the step and replay it, or run experts whose
 backward reads nothing back (bf16 on Hopper; an fp32 ``grouped_mm`` copies its offsets to the

@@ -28,7 +28,9 @@ Configurations: the presets at real layer widths (``graphstash.models.PRESETS``:
 fit unless ``--layers``), a user's own (``--hidden --ffn --experts --topk``), and the
 launch-bound and memory-bound configurations of earlier figures. Expert parallel under
 ``torchrun --nproc-per-node N -m graphstash.tools.cli bench moe`` (WORLD_SIZE is detected;
-rank 0 prints; figures are the largest over the ranks).
+rank 0 prints; figures are the largest over the ranks). With ``--ep N`` (and ``--transport``)
+the suite runs the expert-parallel rows instead, on N GPUs or N ranks sharing one
+(:mod:`graphstash.tools.bench.moe_ep`).
 
 Columns: step time (median of CUDA-event samples of back-to-back calls, each call a whole
 decorated step: staging, replay and status read), its ratio to the best peer of the same run
@@ -110,7 +112,11 @@ def add_arguments(parser) -> None:
     g.add_argument("--plain-experts", action="store_true",
                    help="SiLU experts instead of gated (SwiGLU) ones for --hidden/--ffn")
     g.add_argument("--modes", default=None,
-                   help=f"comma-separated subset of: {', '.join(MODES)}")
+                   help=f"comma-separated subset of: {', '.join(MODES)} (with --ep: of the "
+                   "expert-parallel rows)")
+    from . import moe_ep
+
+    moe_ep.add_arguments(g)                 # --ep N, --transport: handed over to moe_ep
 
 
 def _replace(config: MoEConfig, **over) -> MoEConfig:
@@ -126,6 +132,10 @@ def configs_from_args(args, quick: bool, *, notes: bool = True) -> dict:
     """``{name: MoEConfig}`` the suite runs, from the command line (see :func:`add_arguments`).
     Raises :class:`~graphstash.tools.options.FlagError` naming the option for a bad value;
     ``notes``: print the one-line notes on values that are allowed but likely mistakes."""
+    from . import moe_ep
+
+    if moe_ep.requested(args):
+        return moe_ep.configs_from_args(args, quick, notes=notes)
     over = {"hidden": options.hidden_width("--hidden", getattr(args, "hidden", None)),
             "ffn": options.positive_int("--ffn", getattr(args, "ffn", None)),
             "num_experts": options.positive_int("--experts", getattr(args, "experts", None)),
@@ -160,6 +170,10 @@ def configs_from_args(args, quick: bool, *, notes: bool = True) -> dict:
 
 
 def modes_from_args(args) -> tuple:
+    from . import moe_ep
+
+    if moe_ep.requested(args):
+        return moe_ep.rows_from_args(args)
     text = getattr(args, "modes", None)
     if not text:
         return MODES
@@ -393,6 +407,10 @@ def run(quick: bool = False, args=None, *, device=None, compile_kwargs: dict | N
     given (the tests). ``compile_kwargs``: ``torch.compile``'s arguments for the compiled modes
     (default: its defaults).
     """
+    from . import moe_ep
+
+    if moe_ep.requested(args):
+        return moe_ep.run(quick, args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     group = None
     if world > 1:

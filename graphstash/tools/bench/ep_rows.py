@@ -1,0 +1,179 @@
+"""The rows of ``graphstash bench moe --ep N``: one expert-parallel training step each, built
+the same way on every rank, from the same initialisation and batches.
+
+NOTE [expert-parallel bench rows]: every row is a full training step (forward, backward,
+AdamW) of :class:`graphstash.models.MoEModel` with the loss of
+:mod:`graphstash.tools.training` (NOTE [training loss]); only the way tokens reach the experts'
+ranks, and the buffers they land in, change:
+
+- ``eager peer``: the plain-PyTorch dropless MoE (``mode="plain"``): ``all_to_all_single``
+  with split sizes read back to the host every layer, eager (it cannot be captured); it needs a
+  process group that can run it (NCCL ranks);
+- ``nccl chunks``: graphstash's static-budget dispatch over NCCL's fixed, budget-sized chunks
+  (``exchange=None``, NOTE [send layout]), under ``graph_step``;
+- ``worst-case buffers``: the live-row exchange with receive room for every row any rank could
+  send (``capacity_rows = W x T x K``) and a static budget of that size (capacity factor
+  ``W``): torchtitan's graphable design, built from graphstash's own kernels, under
+  ``graph_step``;
+- ``live rows``: the live-row exchange sized by ``--capacity-factor``, under ``graph_step``;
+- ``live rows + stash``: the same with ``graph_step(stash=...)``.
+
+The transport rows register their transport as the step's flag reducer, so the over-budget
+decision is shared through the exchange itself (no NCCL; the only way on ranks sharing one
+GPU). Bytes per step: the transport rows read the device counters
+(:meth:`~graphstash.moe.exchange.Transport.counters`); the peers count what their collectives
+send from the split sizes (:func:`graphstash.tools.bench.moe.count_exchange`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...graph import graph_step
+from ...models import MoEConfig, MoEModel
+from ...moe import budget_rows
+from ..training import WARMUP, TrainingRun, loss_of
+
+ROWS = ("eager peer", "nccl chunks", "worst-case buffers", "live rows", "live rows + stash")
+GRAPHED = ROWS[1:]
+PEER_ROWS = ROWS[:2]            # rows whose tokens travel through torch.distributed collectives
+TRANSPORT_ROWS = ROWS[2:]       # rows whose tokens travel through a live-row transport
+MODEL_MODE = {"eager peer": "plain", "nccl chunks": "budget", "worst-case buffers": "budget",
+              "live rows": "budget", "live rows + stash": "stash"}
+
+# How the ranks of a run are laid out (moe_ep's launch), and why a row cannot run there.
+LAUNCHES = ("torchrun", "processes", "threads")
+_NO_GROUP = {
+    "processes": "the ranks share one GPU, where NCCL refuses to run ('Duplicate GPU detected')",
+    "threads": "in-process ranks have no process group to run its collectives",
+}
+
+
+def unavailable(row: str, launch: str, transport: str) -> str | None:
+    """Why ``row`` cannot run with ranks laid out as ``launch`` (one of :data:`LAUNCHES`) over
+    ``transport`` (``--transport``), or None if it can."""
+    if row not in ROWS:
+        raise ValueError(f"row: expected one of {ROWS}, got {row!r}")
+    if launch not in LAUNCHES:
+        raise ValueError(f"launch: expected one of {LAUNCHES}, got {launch!r}")
+    if row in PEER_ROWS and launch in _NO_GROUP:
+        return f"not available: {_NO_GROUP[launch]}"
+    if row in TRANSPORT_ROWS and transport == "nccl":
+        return "not available: --transport nccl builds no live-row transport"
+    return None
+
+
+def worst_case_config(config: MoEConfig, world_size: int) -> MoEConfig:
+    """``config`` with a static budget that holds every row any rank could send: capacity
+    factor ``world_size``, so :func:`~graphstash.moe.budget_rows` gives ``W x T x K`` rows
+    (plus padding room) and no routing is ever over it."""
+    return dataclasses.replace(config, capacity_factor=float(world_size))
+
+
+def row_config(row: str, config: MoEConfig, world_size: int) -> MoEConfig:
+    """The model configuration ``row`` runs: the worst-case budget for ``worst-case buffers``,
+    NCCL chunks of the capacity factor for ``nccl chunks``, else ``config``."""
+    if row == "worst-case buffers":
+        return worst_case_config(config, world_size)
+    if row == "nccl chunks" and config.chunk_factor is None:
+        return dataclasses.replace(config, chunk_factor=config.capacity_factor)
+    return config
+
+
+def transport_sizes(row: str, config: MoEConfig, world_size: int, dtype: torch.dtype) -> dict:
+    """The keyword sizes of the transport a transport row builds (``capacity_rows``,
+    ``row_bytes``, ``max_experts``): room for the row's budget and for each rank's
+    ``tokens x topk`` pairs (the combine sends every pair back), rows of ``dtype``."""
+    if row not in TRANSPORT_ROWS:
+        raise ValueError(f"row: expected one of {TRANSPORT_ROWS}, got {row!r}")
+    c = row_config(row, config, world_size)
+    budget = budget_rows(c.num_tokens * world_size, c.topk, c.num_experts,
+                         capacity_factor=c.capacity_factor, pad_multiple=c.pad_multiple,
+                         world_size=world_size)
+    element = torch.empty((), dtype=dtype).element_size()
+    return {"capacity_rows": max(budget, c.num_tokens * c.topk),
+            "row_bytes": c.hidden * element, "max_experts": c.num_experts}
+
+
+def build_row(row: str, config: MoEConfig, device: torch.device, dtype: torch.dtype, *,
+              world_size: int, group=None, transport=None, stash=None, seed: int = 0,
+              lr: float = 1e-4, warmup: int = WARMUP,
+              release_warmup_cache: bool = True) -> TrainingRun:
+    """This rank's model, AdamW and step of ``row`` (NOTE [expert-parallel bench rows]).
+
+    Args:
+        row: one of :data:`ROWS`.
+        config: the sizes, with the capacity factor of the live rows (``num_tokens`` per rank).
+        device: this rank's device (CUDA; the CPU runs every step eagerly with the reference
+            backend and the gloo transport).
+        dtype: parameter dtype (bf16 is what the bench measures).
+        world_size: ranks of the expert-parallel group.
+        group: the ``torch.distributed`` group the peers' collectives run over (peer rows).
+        transport: this rank's :class:`~graphstash.moe.exchange.Transport` (transport rows),
+            sized by :func:`transport_sizes`.
+        stash: ``graph_step``'s ``stash=`` for ``live rows + stash``.
+        seed, lr: initialisation seed (the same on every rank and row) and AdamW's rate.
+        warmup: ``graph_step``'s eager calls before the capture.
+        release_warmup_cache: ``graph_step``'s option of that name (False for ranks that are
+            threads of one process: NOTE [in-process bench ranks] in ``ep_ranks.py``).
+
+    ``run.step(x, y)`` takes a batch of :func:`graphstash.tools.training.batches`. Example::
+
+        t = build_transport(group, **transport_sizes("live rows", config, 2, torch.bfloat16))
+        run = build_row("live rows", config, device, torch.bfloat16, world_size=2, transport=t)
+    """
+    if row not in ROWS:
+        raise ValueError(f"row: expected one of {ROWS}, got {row!r}")
+    if row in TRANSPORT_ROWS:
+        if transport is None:
+            raise ValueError(f"transport: the {row!r} row exchanges live rows through a "
+                             "transport; got None")
+        if transport.world_size != world_size:
+            raise ValueError(f"transport: built for {transport.world_size} ranks, the row runs "
+                             f"{world_size}")
+    elif group is None:
+        raise ValueError(f"group: the {row!r} row sends its rows with torch.distributed "
+                         "collectives and needs their process group; got None")
+    on_gpu = device.type == "cuda"
+    graphed = row in GRAPHED
+    model = MoEModel(row_config(row, config, world_size), mode=MODEL_MODE[row],
+                     group=None if row in TRANSPORT_ROWS else group,
+                     exchange=transport if row in TRANSPORT_ROWS else None,
+                     seed=seed, device=device, dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=on_gpu or None,
+                            capturable=on_gpu and graphed)
+
+    def forward_backward(x, y):
+        loss = loss_of(model, x, y)
+        loss.backward()
+        return loss.detach()
+
+    if not graphed:
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = forward_backward(x, y)
+            opt.step()
+            return loss
+        return TrainingRun(model, opt, step, None)
+    train_step = graph_step(forward_backward, optimizer=opt, warmup=warmup, device=device,
+                            stash=stash if row == "live rows + stash" else None,
+                            release_warmup_cache=release_warmup_cache)
+    if transport is not None:
+        train_step.step_status.register_reducer(transport)
+    return TrainingRun(model, opt, train_step, train_step)
+
+
+def transport_bytes(before: dict, after: dict, steps: int) -> dict:
+    """Bytes one step moved through a transport, from two of its
+    :meth:`~graphstash.moe.exchange.Transport.counters` readings ``steps`` steps apart:
+    ``sent`` (rows and router weights written into other ranks' regions), ``local`` (into its
+    own), ``meta`` (counts, flags and signals), and ``rows`` (rows pushed), per step."""
+    if steps < 1:
+        raise ValueError(f"steps: expected an int >= 1, got {steps}")
+
+    def per_step(key):
+        return (after[key] - before[key]) / steps
+
+    return {"sent": per_step("row_bytes_remote"), "local": per_step("row_bytes_local"),
+            "meta": per_step("meta_bytes"), "rows": per_step("rows_sent")}

@@ -1,0 +1,470 @@
+"""``graphstash bench moe --ep N``: expert parallelism over N ranks, the live-row exchange
+next to the designs a user would run instead, in one run, from the same initialisation and
+routing.
+
+Launch (NOTE [expert-parallel bench launch]):
+
+- under ``torchrun --nproc-per-node N -m graphstash.tools.cli bench moe --ep N``: one
+  process per GPU, NCCL for the peers, the live rows over ``--transport`` (``auto``: torch
+  symmetric memory on the GPUs of one host; ``symmetric``, ``ipc``, or ``nccl`` for no
+  live-row transport at all);
+- on one GPU, ``--transport local`` (the default there): N ranks as threads of this process,
+  one CUDA stream each, over in-process transports (NOTE [in-process ranks]): the fast
+  one-GPU path;
+- on one GPU, ``--transport ipc``: N processes sharing the GPU through CUDA IPC. Correct but
+  slow: processes take turns on the GPU, so every barrier waits for a time slice
+  (docs/exchange.md); the table says so.
+
+Rows (NOTE [expert-parallel bench rows] in ``ep_rows.py``): ``eager peer`` (plain-PyTorch
+dropless MoE, ``all_to_all_single`` with split sizes read back every layer; NCCL ranks only),
+``nccl chunks`` (graphstash's budget dispatch over NCCL's fixed chunks under ``graph_step``;
+NCCL ranks only), ``worst-case buffers`` (the live-row exchange with receive room for every row
+any rank could send and a budget of that size, torchtitan's graphable design), ``live rows`` and
+``live rows + stash`` (under ``graph_step``). The presets at 8192 tokens per rank,
+``--capacity-factor`` (default 2.0), as many layers as fit (up to 16) unless ``--layers``,
+bf16.
+
+Columns: step time (median of CUDA-event samples of whole decorated calls), its ratio to the
+eager peer and to the worst-case row, the peak memory over the capture and the timed steps and
+the activation peak (that peak less parameters, gradients and optimizer state), the bytes each
+rank writes into other ranks per step (device counters of the transport over the timed steps;
+for the peers, what their collectives send, from the split sizes, over the warmup steps) and
+their ratio to the eager peer's, the counts/flags/signals bytes, and the steps flagged over
+budget, overflowed and rerun (all calls of the row). Figures are the largest over the ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import math
+import os
+import statistics
+import time
+
+import torch
+
+from ...memory import static_footprint
+from ...models import PRESETS, MoEConfig
+from .. import options, training
+from . import moe
+from .ep_rows import (PEER_ROWS, ROWS, TRANSPORT_ROWS, build_row, transport_bytes,
+                      transport_sizes, unavailable)
+from .timing import event_ms
+
+TRANSPORTS = ("auto", "ipc", "local", "symmetric", "nccl")
+DEFAULT_CAPACITY_FACTOR = 2.0
+LAYERS_CAP = 16
+DTYPE = torch.bfloat16
+BATCHES = 4
+MIB = 2.0 ** 20
+
+# NOTE [expert-parallel bench launch]: where the N ranks come from decides which rows can
+# run. Under torchrun (WORLD_SIZE > 1) every process is a rank on its own GPU: NCCL runs the
+# peers, and the live rows take the transport --transport names (symmetric memory by default).
+# Without it the N ranks share this process's GPU, where NCCL refuses to run ("Duplicate GPU
+# detected"), so the peers are reported as not available: as threads of this process
+# (--transport local, the default, NOTE [in-process bench ranks] in ep_ranks.py) or as N
+# spawned processes over CUDA IPC (--transport ipc), whose barriers wait for the GPU's time
+# slices. --transport symmetric and nccl need one process per GPU, --transport local needs one
+# process: the other combinations are refused before anything runs.
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How the ranks run: ``kind`` ``"torchrun"``, ``"processes"`` or ``"threads"`` (NOTE
+    [expert-parallel bench launch]), ``world_size`` ranks, ``transport`` the live rows' kind
+    (``--transport``; ``"local"`` for threads, ``"ipc"`` for processes)."""
+    kind: str
+    world_size: int
+    transport: str
+
+    def describe(self) -> str:
+        n = self.world_size
+        if self.kind == "torchrun":
+            return (f"{n} processes under torchrun, the peers over the process group, live "
+                    f"rows over transport {self.transport}")
+        if self.kind == "threads":
+            return f"{n} threads of one process on one GPU, in-process transports"
+        return f"{n} processes sharing one GPU over CUDA IPC"
+
+
+def add_arguments(group) -> None:
+    """``--ep`` and ``--transport`` on the MoE suite's argument group."""
+    group.add_argument("--ep", type=int, default=None, metavar="N",
+                       help="expert parallelism over N ranks: the live-row exchange against "
+                       "the eager peer, NCCL chunks and worst-case buffers (under torchrun N "
+                       "is WORLD_SIZE; on one GPU the ranks are threads or processes)")
+    group.add_argument("--transport", choices=TRANSPORTS, default=None,
+                       help="the live rows' transport with --ep: auto (torchrun: symmetric "
+                       "memory; one GPU: local), local (ranks as threads of one process), ipc "
+                       "(ranks as processes sharing a GPU: correct, slow), symmetric, nccl "
+                       "(no live-row transport)")
+
+
+def requested(args) -> bool:
+    """Whether the command line asks for the expert-parallel bench (``--ep`` or
+    ``--transport``)."""
+    return (getattr(args, "ep", None) is not None
+            or getattr(args, "transport", None) is not None)
+
+
+def _world_size_from(environ) -> int:
+    text = environ.get("WORLD_SIZE")
+    if text is None:
+        return 1
+    try:
+        world = int(text)
+    except ValueError:
+        raise options.FlagError(f"--ep: the launcher's WORLD_SIZE must be an int, got "
+                                f"{text!r}") from None
+    if world < 1:
+        raise options.FlagError(f"--ep: the launcher's WORLD_SIZE must be >= 1, got {world}")
+    return world
+
+
+def launch_from_args(args, environ=None) -> Launch:
+    """The :class:`Launch` the command line and the environment (``WORLD_SIZE``) ask for;
+    :class:`~graphstash.tools.options.FlagError` naming the flag for a combination that cannot
+    run (NOTE [expert-parallel bench launch])."""
+    environ = os.environ if environ is None else environ
+    ep = options.positive_int("--ep", getattr(args, "ep", None), minimum=2)
+    transport = getattr(args, "transport", None) or "auto"
+    if transport not in TRANSPORTS:
+        raise options.FlagError(f"--transport: expected one of {', '.join(TRANSPORTS)}, got "
+                                f"{transport!r}")
+    world = _world_size_from(environ)
+    if world > 1:
+        if ep is not None and ep != world:
+            raise options.FlagError(f"--ep: expected the launcher's WORLD_SIZE={world} (one "
+                                    f"rank per process), got {ep}")
+        if transport == "local":
+            raise options.FlagError(
+                f"--transport: 'local' runs the ranks as threads of one process on one GPU; "
+                f"under torchrun (WORLD_SIZE={world}) every process is a rank: use auto, "
+                f"symmetric, ipc or nccl")
+        return Launch("torchrun", world, transport)
+    if ep is None:
+        raise options.FlagError("--ep: expected the number of expert-parallel ranks (an int "
+                                ">= 2) with --transport, got none (or launch under torchrun)")
+    if transport in ("symmetric", "nccl"):
+        raise options.FlagError(
+            f"--transport: {transport!r} needs one process per GPU: launch with torchrun "
+            f"--nproc-per-node {ep} -m graphstash.tools.cli bench moe --ep {ep}; on one GPU "
+            f"use 'local' (ranks as threads) or 'ipc' (ranks as processes)")
+    if transport == "ipc":
+        return Launch("processes", ep, "ipc")
+    return Launch("threads", ep, "local")
+
+
+def configs_from_args(args, quick: bool, *, notes: bool = True) -> dict:
+    """``{name: MoEConfig}`` the expert-parallel bench runs: the presets (or ``--preset``, or a
+    custom shape, or with ``--quick`` the small configurations), at ``--capacity-factor``
+    (default 2.0), NCCL chunks of the same factor. ``layers`` is each preset's own until
+    :func:`fit_layers` decides (unless ``--layers``). FlagError naming the flag for bad values,
+    and ``--ep`` when the experts do not split over the ranks."""
+    launch = launch_from_args(args)
+    plain = argparse.Namespace(**{**vars(args), "ep": None, "transport": None})
+    chosen = moe.configs_from_args(plain, quick, notes=notes)      # every shape flag checked
+    custom = "custom" in chosen
+    preset = getattr(args, "preset", None)
+    factor = getattr(args, "capacity_factor", None) or DEFAULT_CAPACITY_FACTOR
+    over = {"capacity_factor": factor, "chunk_factor": factor}
+    if quick and preset is None and not custom:
+        for name in ("layers", "tokens"):
+            value = getattr(args, name, None)
+            if value is not None:
+                over["num_tokens" if name == "tokens" else "layers"] = value
+        chosen = dict(moe.QUICK)
+    elif preset is None and not custom:
+        chosen = {n: c for n, c in chosen.items() if n in PRESETS}
+    out = {n: dataclasses.replace(c, **over) for n, c in chosen.items()}
+    W = launch.world_size
+    for name, c in out.items():
+        if c.num_experts % W == 0:
+            continue
+        if custom:
+            raise options.FlagError(f"--experts: expected a multiple of the {W} ranks, got "
+                                    f"{c.num_experts}")
+        raise options.FlagError(f"--ep: expected ranks that split the experts evenly "
+                                f"({name} has {c.num_experts}), got {W}")
+    return out
+
+
+def rows_from_args(args) -> tuple:
+    """The rows ``--modes`` names (default: every row of :data:`ROWS`)."""
+    text = getattr(args, "modes", None)
+    if not text:
+        return ROWS
+    rows = tuple(m.strip() for m in text.split(","))
+    bad = [m for m in rows if m not in ROWS]
+    if bad:
+        raise options.FlagError(f"--modes: expected names from {', '.join(ROWS)} with --ep, "
+                                f"got {', '.join(map(repr, bad))}")
+    return rows
+
+
+def fit_layers(config: MoEConfig, world_size: int, ranks_per_device: int, free_bytes: int,
+               rows=ROWS) -> int:
+    """As many layers as fit (1 to :data:`LAYERS_CAP`) for the most demanding of ``rows``, with
+    ``ranks_per_device`` ranks sharing ``free_bytes`` of one device: per layer, bf16
+    parameters, gradients twice (the warmup's, then the graph's) and two AdamW moments, plus
+    twice the activations the largest budget keeps (``W x T x K`` rows for the worst-case row);
+    besides, the largest receive region."""
+    E_local = config.num_experts // world_size
+    w_rows = (3 if config.gated else 2) * config.ffn
+    params = E_local * w_rows * config.hidden + config.num_experts * config.hidden
+    factor = max(1.0, config.capacity_factor)
+    if "worst-case buffers" in rows:
+        factor = max(factor, float(world_size))
+    kept_rows = math.ceil(factor * config.num_tokens * config.topk)
+    acts = kept_rows * (2 * config.hidden + 4 * config.ffn) + 4 * config.num_tokens * config.hidden
+    per_layer = 2 * (5 * params + 2 * acts)
+    region = kept_rows * (2 * config.hidden + 8) if set(rows) & set(TRANSPORT_ROWS) else 0
+    usable = 0.8 * free_bytes / ranks_per_device - region
+    return max(1, min(LAYERS_CAP, int(usable // per_layer)))
+
+
+@dataclasses.dataclass
+class Plan:
+    """What every rank runs: the configurations (``fit``: the names whose layers
+    :func:`fit_layers` decides), the rows, the timed steps, the launch; ``stash``: the
+    ``StashConfig`` of ``live rows + stash`` (None: :func:`graphstash.tools.bench.moe.
+    stash_config`, the one-GPU bench's)."""
+    launch: Launch
+    configs: dict
+    rows: tuple
+    steps: int
+    fit: tuple
+    stash: object = None
+
+
+# NOTE [bench rows on the CPU]: the bench runs on GPUs (``graphstash bench`` refuses to start
+# without one), but its measuring loop also runs on the CPU, eagerly, with the gloo transport,
+# host timers and no memory statistics (zeros): tests/test_bench_ep_rows.py runs the whole
+# loop, collectives, transports, byte counts and table included, over two gloo ranks.
+def _wait(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _allocated(device: torch.device, peak: bool = False) -> int:
+    if device.type != "cuda":
+        return 0
+    return (torch.cuda.max_memory_allocated if peak else torch.cuda.memory_allocated)(device)
+
+
+def _time_ms(device: torch.device, fn) -> float:
+    if device.type == "cuda":
+        return event_ms(fn, 1)
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def prepare(device: torch.device) -> None:
+    """Compile graphstash's kernels and settle the expert GEMMs before any rank's first step
+    (a rank that compiles while another waits in an exchange could reach its timeout)."""
+    import graphstash
+    from ...moe import prepare_experts
+
+    graphstash.warmup(device)
+    prepare_experts(device, DTYPE)
+
+
+def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *,
+                stash=None) -> dict:
+    """Build ``row`` on this rank (``ranks``: :mod:`~graphstash.tools.bench.ep_ranks`), warm
+    it up, capture, time ``steps`` calls on ``batches`` (:func:`graphstash.tools.training.
+    batches`, this rank's) and return the figures the module docstring lists, each the largest
+    over the ranks. ``stash``: the ``StashConfig`` of ``live rows + stash`` (default:
+    :func:`graphstash.tools.bench.moe.stash_config`). A collective."""
+    device, W = ranks.device, ranks.world_size
+    ranks.sync()
+    if ranks.leader:
+        gc.collect()                   # the previous row's graph, model and transport
+        _wait(device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    ranks.sync()
+    base = _allocated(device)
+    ranks.sync()                       # in-process: every rank read it before any allocates
+    transport = None
+    if row in TRANSPORT_ROWS:
+        try:
+            transport = ranks.make_transport(transport_sizes(row, config, W, DTYPE))
+        except ValueError as exc:      # no transport by peer addresses here (the same on all)
+            return {"error": f"not available: {exc}"}
+    if row == "live rows + stash" and stash is None:
+        stash = moe.stash_config(device)
+    run = build_row(row, config, device, DTYPE, world_size=W, group=ranks.peer_group,
+                    transport=transport, stash=stash,
+                    release_warmup_cache=ranks.release_warmup_cache)
+    if run.graph is not None:
+        # reading the stash manager sets the step up (its pinned flag buffer, its streams):
+        # here, before any rank waits in an exchange (NOTE [in-process bench ranks])
+        run.stash_manager
+    ranks.sync()
+    warmup = training.WARMUP
+    with moe.count_exchange(ranks.peer_group if row in PEER_ROWS else None) as sent:
+        for i in range(warmup):
+            run.step(*batches[i % len(batches)])
+    ranks.before_capture()             # NOTE [steady-state peak] in moe.py
+    run.step(*batches[warmup % len(batches)])            # graphed rows: the capture
+    before = transport.counters() if transport is not None else None
+    samples = []
+    for i in range(steps):
+        batch = batches[(warmup + 1 + i) % len(batches)]
+        samples.append(_time_ms(device, functools.partial(run.step, *batch)))
+    after = transport.counters() if transport is not None else None
+    ranks.sync()
+    peak = _allocated(device, peak=True) - base
+    static = ranks.device_total(static_footprint(run.model, run.optimizer, device=device))
+    share = W if ranks.memory_shared else 1
+    stats = run.graph.stats if run.graph is not None else None
+    plan = run.stash_manager.plan() if row == "live rows + stash" else []
+    if transport is not None:
+        moved = transport_bytes(before, after, steps)
+        counted = "device counters, timed steps"
+    else:
+        moved = {"sent": sent[0] / warmup, "local": 0.0, "meta": 0.0}
+        counted = "split sizes, warmup steps"
+    exchange = run.model.exchange_kind
+    calls = warmup + 1 + steps
+    ranks.sync()
+    run.release()
+    if transport is not None:
+        transport.close()
+    del run, transport
+    figures = ranks.largest([
+        statistics.median(samples), peak / share / MIB, (peak - static) / share / MIB,
+        moved["sent"] / MIB, moved["local"] / MIB, moved["meta"] / 1024,
+        stats.over_budget if stats else 0, stats.overflows if stats else 0,
+        stats.eager_reruns if stats else 0])
+    (step_ms, peak_mib, act_mib, sent_mib, local_mib, meta_kib, over_budget, overflow,
+     reruns) = figures
+    return {"step_ms": step_ms, "peak_mib": peak_mib, "activation_peak_mib": act_mib,
+            "sent_mib": sent_mib, "local_mib": local_mib, "meta_kib": meta_kib,
+            "bytes_counted": counted, "exchange": exchange, "over_budget": int(over_budget),
+            "overflow": int(overflow), "reruns": int(reruns), "calls": calls,
+            "stashed_groups": sum(r["stashed"] for r in plan), "groups": len(plan)}
+
+
+def add_ratios(results: dict) -> None:
+    """Each measured row's ratios to the eager peer (step time, bytes sent) and to the
+    worst-case row (step time), where those rows ran."""
+    peer = results.get("eager peer", {})
+    worst = results.get("worst-case buffers", {})
+    for r in results.values():
+        if "step_ms" not in r:
+            continue
+        r["vs_eager_peer"] = r["step_ms"] / peer["step_ms"] if "step_ms" in peer else None
+        r["vs_worst_case"] = r["step_ms"] / worst["step_ms"] if "step_ms" in worst else None
+        r["sent_vs_eager_peer"] = (r["sent_mib"] / peer["sent_mib"]
+                                   if peer.get("sent_mib") else None)
+
+
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def print_table(name: str, entry: dict) -> None:
+    """One configuration's rows, as :func:`run_rank` returns them."""
+    c, ep, results = entry["config"], entry["ep"], entry["results"]
+    print(f"\nMoE expert parallel {name}: {c['layers']} layers, hidden {c['hidden']}, ffn "
+          f"{c['ffn']}{' (gated)' if c['gated'] else ''}, {c['num_experts']} experts top-"
+          f"{c['topk']}, {c['num_tokens']} tokens/rank, capacity factor {c['capacity_factor']}, "
+          f"EP={ep['world_size']} as {ep['launch']}, bf16, {ep['gpu']}")
+    print(f"{'row':<20}{'step ms':>9}{'/peer':>7}{'/worst':>8}{'peak MiB':>10}{'act MiB':>9}"
+          f"{'sent MiB':>10}{'/peer':>7}{'meta KiB':>10}  flags (over budget, overflow, reruns)")
+    for row, r in results.items():
+        if "error" in r:
+            print(f"{row:<20}  {r['error']}")
+            continue
+        stashed = (f"; stashed {r['stashed_groups']}/{r['groups']} groups" if r["groups"]
+                   else "")
+        print(f"{row:<20}{r['step_ms']:>9.2f}{_ratio(r['vs_eager_peer']):>7}"
+              f"{_ratio(r['vs_worst_case']):>8}{r['peak_mib']:>10.0f}"
+              f"{r['activation_peak_mib']:>9.0f}{r['sent_mib']:>10.1f}"
+              f"{_ratio(r['sent_vs_eager_peer']):>7}{r['meta_kib']:>10.1f}  {r['over_budget']}, "
+              f"{r['overflow']}, {r['reruns']} of {r['calls']} calls{stashed}")
+    print("figures: per rank, the largest over the ranks; sent: rows (and router weights) "
+          "written into other ranks per step (transports: device counters over the timed "
+          "steps; peers: their collectives' split sizes over the warmup steps); meta: counts, "
+          "flags and signals")
+    if ep["kind"] == "threads":
+        print("in-process ranks share one GPU: peak and activation peak are the device's "
+              "divided by the ranks")
+    if ep["kind"] == "processes":
+        print("ranks are processes taking turns on one GPU: every barrier waits for a time "
+              "slice, so these step times measure the time slicing, not the exchange "
+              "(docs/exchange.md); correct, not fast")
+
+
+def run_rank(ranks, plan: Plan) -> dict:
+    """Every configuration and row of ``plan`` on this rank; rank 0 prints the tables.
+    Returns ``{config: {"config", "ep", "results": {row: figures}}}`` (JSON-able)."""
+    device = ranks.device
+    on_gpu = device.type == "cuda"
+    if plan.launch.kind != "threads" and on_gpu:
+        prepare(device)
+    ranks.sync()
+    gpu = torch.cuda.get_device_name(device) if on_gpu else "the CPU (eager, gloo)"
+    out = {}
+    for name, config in plan.configs.items():
+        if name in plan.fit:
+            ranks.sync()
+            free, _ = torch.cuda.mem_get_info(device)
+            fit = fit_layers(config, ranks.world_size, ranks.ranks_per_device, free, plan.rows)
+            config = dataclasses.replace(config, layers=int(ranks.smallest([fit])[0]))
+        batches = training.batches(config, BATCHES, seed=1234 + ranks.rank, device=device,
+                                   dtype=DTYPE)
+        results = {}
+        for row in plan.rows:
+            why = unavailable(row, plan.launch.kind, plan.launch.transport)
+            results[row] = ({"error": why} if why is not None
+                            else measure_row(row, config, ranks, batches, plan.steps,
+                                             stash=plan.stash))
+        add_ratios(results)
+        entry = {"config": dataclasses.asdict(config),
+                 "ep": {"world_size": ranks.world_size, "kind": plan.launch.kind,
+                        "launch": plan.launch.describe(), "transport": plan.launch.transport,
+                        "gpu": gpu},
+                 "results": results}
+        if ranks.rank == 0:
+            print_table(name, entry)
+        out[name] = entry
+        del batches
+    return out
+
+
+def run(quick: bool = False, args=None) -> dict:
+    """Run the expert-parallel bench the command line asks for (NOTE [expert-parallel bench
+    launch]); returns what rank 0's :func:`run_rank` returned."""
+    from . import ep_ranks
+
+    launch = launch_from_args(args)
+    configs = configs_from_args(args, quick, notes=False)
+    explicit_layers = getattr(args, "layers", None) is not None
+    fit = () if quick or explicit_layers else tuple(configs)
+    steps = getattr(args, "steps", None) or (5 if quick else 20)
+    plan = Plan(launch, configs, rows_from_args(args), steps, fit)
+    if launch.kind == "torchrun":
+        import torch.distributed as dist
+
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", device_id=device)
+        ranks = ep_ranks.ProcessRanks(dist.group.WORLD, device, launch="torchrun",
+                                      transport=launch.transport)
+        return run_rank(ranks, plan)
+    index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    device = torch.device("cuda", index)
+    if launch.kind == "threads":
+        prepare(device)
+        return ep_ranks.run_threads(launch.world_size, device, run_rank, plan)[0]
+    return ep_ranks.spawn_processes(launch.world_size, device.index, run_rank, plan)[0]

@@ -1,0 +1,231 @@
+"""``graphstash bench moe --ep N``: the flags, the launch they choose, the configurations and
+rows, the layers that fit, the table, and the threads' coordination (all on the CPU; the bench
+itself runs on GPUs: tests/test_bench_ep_gpu.py, docs/exchange.md)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from graphstash.models import PRESETS
+from graphstash.tools import cli
+from graphstash.tools.bench import ep_ranks, ep_rows, moe, moe_ep
+from graphstash.tools.bench.moe_ep import Launch
+
+
+def _args(*argv):
+    return cli.build_parser().parse_args(["bench", "moe", *argv])
+
+
+@pytest.mark.parametrize("argv, world, launch", [
+    (("--ep", "2"), None, Launch("threads", 2, "local")),
+    (("--ep", "4", "--transport", "local"), None, Launch("threads", 4, "local")),
+    (("--ep", "2", "--transport", "ipc"), None, Launch("processes", 2, "ipc")),
+    (("--ep", "2"), "2", Launch("torchrun", 2, "auto")),
+    (("--transport", "symmetric"), "2", Launch("torchrun", 2, "symmetric")),
+    (("--transport", "nccl"), "4", Launch("torchrun", 4, "nccl")),
+    (("--ep", "2", "--transport", "ipc"), "1", Launch("processes", 2, "ipc")),
+])
+def test_the_flags_and_the_launcher_choose_how_ranks_run(monkeypatch, argv, world, launch):
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+    args = _args(*argv)
+    assert moe_ep.requested(args)
+    assert moe_ep.launch_from_args(args) == launch
+    assert not moe_ep.requested(_args("--preset", "mixtral-8x7b"))
+
+
+BAD = [
+    (("--ep", "1"), None, "--ep: expected an int >= 2, got 1"),
+    (("--ep", "0"), None, "--ep: expected an int >= 2, got 0"),
+    (("--ep", "3"), None, "--ep: expected ranks that split the experts evenly"),
+    (("--ep", "2", "--transport", "symmetric"), None,
+     "--transport: 'symmetric' needs one process per GPU: launch with torchrun"),
+    (("--ep", "2", "--transport", "nccl"), None, "--transport: 'nccl' needs one process per GPU"),
+    (("--transport", "ipc"), None, "--ep: expected the number of expert-parallel ranks"),
+    (("--ep", "4"), "2", "--ep: expected the launcher's WORLD_SIZE=2 (one rank per process), "
+                         "got 4"),
+    (("--transport", "local"), "2", "--transport: 'local' runs the ranks as threads of one "
+                                    "process"),
+    (("--ep", "2"), "two", "--ep: the launcher's WORLD_SIZE must be an int, got 'two'"),
+    (("--ep", "2", "--modes", "graph + budget"), None,
+     "--modes: expected names from eager peer, nccl chunks, worst-case buffers, live rows, "
+     "live rows + stash with --ep, got 'graph + budget'"),
+    (("--ep", "4", "--hidden", "64", "--ffn", "32", "--experts", "6", "--topk", "2"), None,
+     "--experts: expected a multiple of the 4 ranks, got 6"),
+    (("--ep", "2", "--layers", "0"), None, "--layers: expected a positive int, got 0"),
+    (("--ep", "2", "--capacity-factor", "inf"), None, "--capacity-factor: expected a finite"),
+]
+
+
+@pytest.mark.parametrize("argv, world, message", BAD)
+def test_bad_flags_stop_before_any_work_naming_the_flag(capsys, monkeypatch, argv, world,
+                                                        message):
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the bench started working before checking its flags")
+
+    monkeypatch.setattr(moe_ep, "run", no_work)
+    monkeypatch.setattr(moe_ep, "build_row", no_work)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # checked before the GPU
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "moe", *argv])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("graphstash bench: error: "), lines
+    assert message in lines[0], lines
+
+
+def test_an_unknown_transport_is_refused_by_its_flag(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "moe", "--ep", "2", "--transport", "tcp"])
+    assert info.value.code == 2
+    assert "--transport" in capsys.readouterr().err
+
+
+def test_configurations_take_the_expert_parallel_defaults(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    got = moe_ep.configs_from_args(_args("--ep", "2"), quick=False)
+    assert set(got) == set(PRESETS)               # the presets only, not the one-GPU configs
+    for name, c in got.items():
+        assert (c.capacity_factor, c.chunk_factor, c.num_tokens) == (2.0, 2.0, 8192), name
+        assert (c.hidden, c.num_experts, c.gated) == (PRESETS[name].hidden,
+                                                      PRESETS[name].num_experts, True)
+    one = moe_ep.configs_from_args(_args("--ep", "2", "--preset", "mixtral-8x7b", "--layers", "3",
+                                         "--capacity-factor", "1.25"), quick=False)
+    assert list(one) == ["mixtral-8x7b"]
+    assert (one["mixtral-8x7b"].layers, one["mixtral-8x7b"].capacity_factor,
+            one["mixtral-8x7b"].chunk_factor) == (3, 1.25, 1.25)
+    quick = moe_ep.configs_from_args(_args("--ep", "2", "--tokens", "512"), quick=True)
+    assert set(quick) == set(moe.QUICK)
+    assert all(c.num_tokens == 512 and c.capacity_factor == 2.0 for c in quick.values())
+    custom = moe_ep.configs_from_args(_args("--ep", "4", "--hidden", "64", "--ffn", "32",
+                                            "--experts", "8", "--topk", "2"), quick=False)
+    assert list(custom) == ["custom"] and custom["custom"].num_experts == 8
+
+
+def test_the_moe_suite_hands_over_to_the_expert_parallel_bench(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = _args("--ep", "2", "--modes", "live rows, eager peer")
+    assert moe.modes_from_args(args) == ("live rows", "eager peer")
+    assert moe.modes_from_args(_args("--ep", "2")) == ep_rows.ROWS
+    assert moe.configs_from_args(args, False) == moe_ep.configs_from_args(args, False)
+    calls = []
+    monkeypatch.setattr(moe_ep, "run", lambda quick, a: calls.append((quick, a)) or {"x": 1})
+    assert moe.run(quick=True, args=args) == {"x": 1}
+    assert calls == [(True, args)]
+    assert moe.modes_from_args(_args()) == moe.MODES      # without --ep: the one-GPU modes
+
+
+def test_rows_say_why_they_cannot_run_where_they_cannot():
+    for launch in ("threads", "processes"):
+        for row in ("eager peer", "nccl chunks"):
+            why = ep_rows.unavailable(row, launch, "local")
+            assert why.startswith("not available: "), (row, launch)
+        for row in ep_rows.TRANSPORT_ROWS:
+            assert ep_rows.unavailable(row, launch, "local") is None
+    assert "Duplicate GPU" in ep_rows.unavailable("eager peer", "processes", "ipc")
+    assert "no process group" in ep_rows.unavailable("nccl chunks", "threads", "local")
+    for row in ep_rows.ROWS:
+        assert ep_rows.unavailable(row, "torchrun", "auto") is None
+        assert (ep_rows.unavailable(row, "torchrun", "nccl") is None) == (row in ep_rows.PEER_ROWS)
+    with pytest.raises(ValueError, match="row: expected one of"):
+        ep_rows.unavailable("live", "threads", "local")
+
+
+def test_the_worst_case_row_holds_every_row_any_rank_could_send():
+    c = moe_ep.configs_from_args(_args("--ep", "2", "--preset", "qwen3-30b-a3b",
+                                       "--capacity-factor", "1.25"), quick=False)["qwen3-30b-a3b"]
+    T, K = c.num_tokens, c.topk
+    worst = ep_rows.transport_sizes("worst-case buffers", c, 4, torch.bfloat16)
+    live = ep_rows.transport_sizes("live rows", c, 4, torch.bfloat16)
+    assert worst == {"capacity_rows": 4 * T * K, "row_bytes": 2 * c.hidden,
+                     "max_experts": c.num_experts}
+    assert live["capacity_rows"] == int(1.25 * T * K) and live["row_bytes"] == 2 * c.hidden
+    assert ep_rows.row_config("worst-case buffers", c, 4).capacity_factor == 4.0
+    assert ep_rows.row_config("live rows", c, 4) == c
+    with pytest.raises(ValueError, match="row: expected one of"):
+        ep_rows.transport_sizes("eager peer", c, 4, torch.bfloat16)
+
+
+def test_layers_fit_the_most_demanding_row():
+    q = PRESETS["qwen3-30b-a3b"].__class__(**{**PRESETS["qwen3-30b-a3b"].__dict__,
+                                             "capacity_factor": 2.0})
+    m = PRESETS["mixtral-8x7b"].__class__(**{**PRESETS["mixtral-8x7b"].__dict__,
+                                            "capacity_factor": 2.0})
+    h200 = 140 * 2**30
+    assert moe_ep.fit_layers(q, 2, 1, 10**15) == moe_ep.LAYERS_CAP        # never above 16
+    assert moe_ep.fit_layers(m, 2, 1, 2**20) == 1                         # at least one
+    two_gpus = moe_ep.fit_layers(m, 2, 1, h200)
+    assert 5 <= two_gpus <= 8                   # 6 Mixtral layers fitted the NCCL-chunk run
+    shared = moe_ep.fit_layers(m, 2, 2, h200)   # two ranks on one GPU
+    assert shared <= two_gpus // 2 + 1 and shared >= 1
+    without_worst = moe_ep.fit_layers(m, 4, 1, h200, rows=("live rows", "eager peer"))
+    assert without_worst > moe_ep.fit_layers(m, 4, 1, h200)
+
+
+def test_the_table_gives_ratios_and_says_what_did_not_run(capsys):
+    def row(ms, sent):
+        return {"step_ms": ms, "peak_mib": 100.0, "activation_peak_mib": 40.0,
+                "sent_mib": sent, "local_mib": 1.0, "meta_kib": 2.0, "over_budget": 1,
+                "overflow": 0, "reruns": 1, "calls": 23, "stashed_groups": 0, "groups": 0,
+                "bytes_counted": "x", "exchange": "x"}
+
+    results = {"eager peer": row(20.0, 10.0), "nccl chunks": {"error": "not available: x"},
+               "worst-case buffers": row(16.0, 10.5), "live rows": row(10.0, 10.5)}
+    moe_ep.add_ratios(results)
+    assert results["live rows"]["vs_eager_peer"] == 0.5
+    assert results["live rows"]["vs_worst_case"] == 10.0 / 16.0
+    assert results["live rows"]["sent_vs_eager_peer"] == 1.05
+    assert "vs_eager_peer" not in results["nccl chunks"]
+    entry = {"config": PRESETS["mixtral-8x7b"].__dict__ | {"layers": 6},
+             "ep": {"world_size": 2, "kind": "processes", "launch": "2 processes", "gpu": "G"},
+             "results": results}
+    moe_ep.print_table("mixtral-8x7b", entry)
+    out = capsys.readouterr().out
+    assert "nccl chunks           not available: x" in out
+    assert "1, 0, 1 of 23 calls" in out
+    assert "time slice" in out                       # processes sharing a GPU: said so
+    lines = [line for line in out.splitlines() if line.startswith("live rows")]
+    assert lines and "0.500" in lines[0] and "0.625" in lines[0] and "1.050" in lines[0]
+
+
+def test_threads_combine_figures_and_report_the_failing_rank():
+    cpu = torch.device("cpu")
+
+    def figures(ranks):
+        got = (ranks.largest([ranks.rank, -ranks.rank]), ranks.smallest([ranks.rank + 1]),
+               ranks.device_total(ranks.rank + 1))
+        ranks.sync()
+        return got
+
+    out = ep_ranks.run_threads(3, cpu, figures)
+    assert out == [([2.0, 0.0], [1.0], 6.0)] * 3
+
+    def one_fails(ranks):
+        ranks.sync()
+        if ranks.rank == 1:
+            raise KeyError("rank one's own error")
+        ranks.sync()                  # the others wait here: the failure breaks the barrier
+
+    with pytest.raises(ep_ranks.RankError, match="rank 1 of 3 .* KeyError: \"rank one's own"):
+        ep_ranks.run_threads(3, cpu, one_fails)
+    assert not [t for t in threading.enumerate() if t.name.startswith("ep-rank-")]
+
+
+def test_graph_step_takes_release_warmup_cache_as_a_bool():
+    from graphstash import graph_step
+
+    assert graph_step(lambda: None, release_warmup_cache=False).options.release_warmup_cache \
+        is False
+    with pytest.raises(TypeError, match="release_warmup_cache: expected a bool, got str"):
+        graph_step(lambda: None, release_warmup_cache="no")

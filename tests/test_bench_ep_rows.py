@@ -1,0 +1,221 @@
+"""The expert-parallel bench's rows on the CPU: two gloo ranks build the rows
+``graphstash bench moe --ep 2`` builds (:mod:`graphstash.tools.bench.ep_rows`; the gloo
+transport, eager; ``graph_step`` runs every call eagerly here) at a tiny size, run the same
+three steps on each, and check that
+
+- the live-row rows (``live rows``, ``live rows + stash``) give the worst-case row's losses and
+  gradients, and the eager peer's within float32 rounding;
+- the bytes the bench reports for a step (:func:`~graphstash.tools.bench.ep_rows.
+  transport_bytes` of the transport's device counters; the peer's split sizes through
+  :func:`~graphstash.tools.bench.moe.count_exchange`) equal the live rows times the row bytes
+  (and the router weights beside them), plus the counts, flags and signals, counted from the
+  routing each layer's router chose on every rank.
+
+The data: each rank's batches from :func:`graphstash.tools.training.batches` (seed ``4321 +
+rank``), the model from seed 0 on every row, as the bench does.
+"""
+from __future__ import annotations
+
+import torch
+
+from graphstash import _exchange_layout as X
+
+T, H, E, K, LAYERS, CALLS = 12, 16, 4, 2, 2, 3
+ROW_BYTES, WEIGHT_BYTES = H * 4, 4              # float32 rows and router weights
+
+
+def _config():
+    from graphstash.models import MoEConfig
+
+    return MoEConfig(hidden=H, ffn=24, num_experts=E, topk=K, layers=LAYERS, num_tokens=T,
+                     capacity_factor=1.5, gated=True)
+
+
+def _routing_of(model):
+    """Hooks that record each block's routing, ``[T, K]`` expert ids per layer per call, as
+    ``MoEBlock.route`` chooses it (softmax of the router's logits, top-k)."""
+    seen = []
+
+    def hook(module, inputs, logits):
+        seen.append(torch.topk(torch.softmax(logits.detach().float(), -1), K).indices)
+
+    handles = [b.router.register_forward_hook(hook) for b in model.blocks]
+    return seen, handles
+
+
+def _run_row(row, rank, world, batches):
+    """Build ``row`` as the bench does, run :data:`CALLS` steps; per call the loss, every
+    gradient, the routing of each layer, and the bytes the bench would report."""
+    import torch.distributed as dist
+
+    from graphstash.moe.exchange import build_gloo_transport
+    from graphstash.stash import StashConfig
+    from graphstash.tools.bench.ep_rows import (TRANSPORT_ROWS, build_row, transport_bytes,
+                                                transport_sizes)
+    from graphstash.tools.bench.moe import count_exchange
+    from graphstash.tools.training import quiet_cpu_graph_step
+
+    config = _config()
+    group = dist.group.WORLD
+    transport = None
+    if row in TRANSPORT_ROWS:
+        transport = build_gloo_transport(**transport_sizes(row, config, world, torch.float32))
+    stash = StashConfig(policy="always", min_tensor_bytes=0, page_size=4)
+    run = build_row(row, config, torch.device("cpu"), torch.float32, world_size=world,
+                    group=group, transport=transport, stash=stash)
+    if transport is not None:        # receive room: every row any rank could send, or the budget
+        worst = row == "worst-case buffers"
+        assert run.model.config.capacity_factor == (world if worst else config.capacity_factor)
+        assert transport.capacity_rows == (world * T * K if worst else 36), transport
+    seen, handles = _routing_of(run.model)
+    calls = []
+    for x, y in batches:
+        before = transport.counters() if transport is not None else None
+        with quiet_cpu_graph_step(False), count_exchange(
+                group if transport is None else None) as sent:
+            loss = run.step(x, y)
+        if transport is not None:
+            moved = transport_bytes(before, transport.counters(), 1)
+            moved["barriers"] = transport.counters()["barriers"] - before["barriers"]
+        else:
+            moved = {"sent": sent[0]}
+        calls.append({"loss": loss.clone(),
+                      "grads": {n: p.grad.clone() for n, p in run.model.named_parameters()},
+                      "routing": seen[-LAYERS:], "bytes": moved})
+        assert len(seen) == LAYERS * len(calls), "a rerun ran the forward again"
+    for h in handles:
+        h.remove()
+    if run.graph is not None:
+        stats = run.graph.stats
+        assert (stats.over_budget, stats.eager_reruns, stats.overflows) == (0, 0, 0), stats
+    if row == "live rows + stash":
+        assert sum(r["stashed"] for r in run.stash_manager.plan()) > 0, "nothing was stashed"
+    if transport is not None:
+        transport.check()
+        transport.close()
+    return calls
+
+
+def _live_counts(routing, rank, world):
+    """Per layer ``(mine, away, received)``: this rank's pairs kept at home, its pairs sent
+    to other ranks, and the pairs of other ranks it receives (all live: the budget holds)."""
+    import torch.distributed as dist
+
+    local = E // world
+    out = []
+    for idx in routing:
+        every = [torch.empty_like(idx) for _ in range(world)]
+        dist.all_gather(every, idx)
+        owner = [t // local for t in every]
+        mine = int((owner[rank] == rank).sum())
+        received = sum(int((owner[s] == rank).sum()) for s in range(world) if s != rank)
+        out.append((mine, idx.numel() - mine, received))
+    return out
+
+
+def _bench_rows_ranks(rank: int, world: int) -> None:
+    from graphstash.tools.training import batches as make_batches
+
+    torch.set_num_threads(1)
+    batches = make_batches(_config(), CALLS, seed=4321 + rank, device="cpu",
+                           dtype=torch.float32)
+    got = {row: _run_row(row, rank, world, batches)
+           for row in ("worst-case buffers", "live rows", "live rows + stash", "eager peer")}
+    worst = got["worst-case buffers"]
+    for call in worst:                      # the reference gradients reach every parameter
+        for name, g in call["grads"].items():
+            assert float(g.abs().max()) > 1e-4, f"rank {rank}: gradient of {name} is ~0"
+    for row in ("live rows", "live rows + stash"):
+        for i, (a, b) in enumerate(zip(got[row], worst)):
+            assert torch.equal(a["loss"], b["loss"]), (row, i, a["loss"], b["loss"])
+            for name, g in a["grads"].items():
+                assert torch.equal(g, b["grads"][name]), f"rank {rank} {row} call {i}: {name}"
+            assert all(torch.equal(p, q) for p, q in zip(a["routing"], b["routing"]))
+    for i, (a, b) in enumerate(zip(got["eager peer"], worst)):
+        torch.testing.assert_close(a["loss"], b["loss"], rtol=1e-5, atol=0)
+        for name, g in a["grads"].items():
+            want = b["grads"][name]
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()),
+                                       msg=lambda m, n=name: f"rank {rank} call {i} {n}: {m}")
+
+    # bytes per step: what the bench reports against the live rows of every layer
+    meta_per_layer = 4 * world * (X.X_HEADER + E) + 8 * (8 * world)   # counts; 8 barriers
+    meta_flags = 4 * world * 3 + 8 * world                            # the step's flag sum
+    every_call = [_live_counts(call["routing"], rank, world) for call in worst]
+    for i, counts in enumerate(every_call):
+        home = sum(m for m, _, _ in counts)
+        away = sum(a for _, a, _ in counts)
+        received = sum(r for _, _, r in counts)
+        want = {"sent": (away + received) * (2 * ROW_BYTES + WEIGHT_BYTES),
+                "local": home * (4 * ROW_BYTES + 2 * WEIGHT_BYTES),
+                "meta": LAYERS * meta_per_layer + meta_flags,
+                "rows": 2 * (home + away) + 2 * (home + received),
+                "barriers": 8 * LAYERS + 1}
+        for row in ("worst-case buffers", "live rows", "live rows + stash"):
+            moved = got[row][i]["bytes"]
+            assert {k: moved[k] for k in want} == want, (rank, row, i, moved, want)
+        peer = got["eager peer"][i]["bytes"]["sent"]
+        assert peer == (away + received) * 2 * ROW_BYTES \
+            + LAYERS * (world - 1) * (E // world) * 8, (rank, i, peer)
+    # the check can fail: rows cross ranks and stay home in these batches
+    assert all(sum(r for _, _, r in c) and sum(m for m, _, _ in c) for c in every_call)
+
+
+def test_bench_rows_agree_and_count_the_live_bytes():
+    from _ranks import run_ranks
+
+    run_ranks(_bench_rows_ranks, 2)
+
+
+def _bench_loop_ranks(rank: int, world: int):
+    """The bench's whole measuring loop (``moe_ep.run_rank``) on two gloo ranks: every row
+    measured, its figures combined over the ranks, JSON-able (NOTE [bench rows on the CPU] in
+    graphstash/tools/bench/moe_ep.py)."""
+    import json
+
+    import torch.distributed as dist
+
+    from graphstash.stash import StashConfig
+    from graphstash.tools.bench import moe_ep
+    from graphstash.tools.bench.ep_ranks import ProcessRanks
+    from graphstash.tools.bench.ep_rows import ROWS
+    from graphstash.tools.training import quiet_cpu_graph_step
+
+    torch.set_num_threads(1)
+    ranks = ProcessRanks(dist.group.WORLD, torch.device("cpu"), launch="torchrun",
+                         transport="gloo")
+    config = _config()
+    plan = moe_ep.Plan(moe_ep.Launch("torchrun", world, "gloo"), {"tiny": config}, ROWS,
+                       steps=2, fit=(),
+                       stash=StashConfig(policy="always", min_tensor_bytes=0, page_size=4))
+    with quiet_cpu_graph_step(False):
+        out = moe_ep.run_rank(ranks, plan)
+    json.dumps(out)
+    results = out["tiny"]["results"]
+    assert list(results) == list(ROWS)
+    for row, r in results.items():
+        assert "error" not in r, (row, r)
+        assert (r["over_budget"], r["overflow"], r["reruns"], r["calls"]) == (0, 0, 0, 5), r
+        assert r["step_ms"] > 0 and r["sent_mib"] > 0, (row, r)
+        assert r["vs_eager_peer"] is not None and r["vs_worst_case"] is not None
+    live, worst, stash = (results[r] for r in ("live rows", "worst-case buffers",
+                                               "live rows + stash"))
+    for key in ("sent_mib", "local_mib", "meta_kib"):
+        assert live[key] == worst[key] == stash[key] > 0, key
+    assert stash["stashed_groups"] > 0
+    assert live["exchange"] == "live rows over gloo"
+    assert results["nccl chunks"]["exchange"] == "nccl chunks"
+    # the live rows move the peer's rows and their router weights beside them (the bench's
+    # bf16: 2-byte elements); the peer also sends its counts
+    rb, wb = 2 * H, 2
+    ratio = live["sent_mib"] / results["eager peer"]["sent_mib"]
+    assert 1.0 < ratio < (2 * rb + wb) / (2 * rb), ratio
+    # NCCL's fixed chunks send every chunk row, live or not
+    assert results["nccl chunks"]["sent_mib"] > results["eager peer"]["sent_mib"]
+    return {row: round(r["sent_mib"] * 2**20) for row, r in results.items()}
+
+
+def test_bench_loop_measures_every_row_on_two_gloo_ranks():
+    from _ranks import run_ranks
+
+    run_ranks(_bench_loop_ranks, 2)
