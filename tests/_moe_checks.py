@@ -35,8 +35,10 @@ def plain_peer_check(gen, gated: bool, mode: str = "dropless", *, fault=None,
                      faulty=None) -> None:
     """graphstash's MoE path in ``mode`` ("dropless" or "budget") equals the peer (plain
     PyTorch: sort, histc, grouped GEMM over T*K rows, index_add_): outputs, the input's and
-    every parameter's gradient, 1e-5 of each gradient's largest magnitude (float32). The
-    peer shares no kernel with graphstash, so a wrong graphstash backward shows here."""
+    every parameter's gradient, 1e-4 of each gradient's largest magnitude (float32: the two
+    sum in different orders, and the router's gradient, a sum over tokens with cancellation,
+    measured 1.2e-5 of its largest magnitude on a 16-core CPU). The peer shares no kernel
+    with graphstash, so a wrong graphstash backward shows here."""
     config = MoEConfig(hidden=16, ffn=24, num_experts=4, topk=2, layers=2, num_tokens=40,
                        gated=gated, capacity_factor=4.0)
     x = tokens(40, 16, gen) / 40
@@ -51,7 +53,7 @@ def plain_peer_check(gen, gated: bool, mode: str = "dropless", *, fault=None,
         grads[side] = named_grads(model, x=xi.grad)
     _arm(fault, None, faulty)
     torch.testing.assert_close(out[mode], out["plain"], rtol=1e-5, atol=1e-6)
-    assert_grads_close(grads[mode], grads["plain"], rel=1e-5)
+    assert_grads_close(grads[mode], grads["plain"], rel=1e-4)
 
 
 def budget_dropless_check(gen, attention: bool, *, fault=None, faulty=None) -> None:

@@ -24,6 +24,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs two or more CUDA GPUs"))
 
 
+@pytest.fixture(autouse=True)
+def _fresh_compile_counters():
+    """Each test starts as in a process where torch.compile has not traced a frame yet
+    (dynamo's frame counters cleared): graph_step runs a new call signature eagerly before
+    capturing it only once compiled code is in use (NOTE [compile and capture], point 2), so a
+    compile by an earlier test in the same worker would otherwise change what a test counts."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is not None:
+        utils.counters["frames"].clear()
+    yield
+
+
 @pytest.fixture
 def gen():
     """A fresh, seeded-per-test torch.Generator (CPU), so failures can be replayed."""
@@ -34,3 +48,15 @@ def gen():
     g = torch.Generator()
     g.manual_seed(seed)
     return g
+
+
+def pytest_runtest_logreport(report):
+    """With ``GS_FAILURE_LOG=path``, append each failure's id and traceback to ``path`` as it
+    happens, so a run that is stopped by a time limit (or a worker that dies) still leaves
+    them; pytest itself prints them only at the end."""
+    import os
+
+    path = os.environ.get("GS_FAILURE_LOG")
+    if path and report.failed and getattr(report, "node", None) is None:  # not xdist's copy
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")

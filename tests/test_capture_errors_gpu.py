@@ -70,20 +70,24 @@ def test_legacy_stream(gen):
     beside it alone is not refused (measured: it runs at once, outside the graph). A blocking
     stream joined to the capture (CuPy's streams block by default) makes it an error."""
     cupy = pytest.importorskip("cupy", reason="needs CuPy for a blocking stream")
-    side = torch.cuda.ExternalStream(cupy.cuda.Stream(non_blocking=False).ptr)
+    blocking = cupy.cuda.Stream(non_blocking=False)     # kept alive: torch does not own it
+    side = torch.cuda.ExternalStream(blocking.ptr)
+    scratch = torch.zeros(WIDTH, device="cuda")        # outside autograd: x is saved for backward
 
     def hazard(x, h):
         # in place, so that nothing is allocated on either stream (an allocation on the legacy
         # stream would need cudaMalloc, refused as an allocation outside the pool first)
         side.wait_stream(torch.cuda.current_stream())          # joins the capture
         with torch.cuda.stream(side):
-            x.add_(0.0)
+            scratch.add_(0.0)
         torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.stream(torch.cuda.default_stream()):   # the legacy default stream
-            x.mul_(1.0)
+            scratch.mul_(1.0)
         return h
 
     error = _fail_at_capture(gen, hazard)
+    torch.cuda.synchronize()
+    del side, blocking
     assert error.cause == "legacy_stream", error
     assert "legacy default stream" in str(error) and "torch.cuda.current_stream()" in str(error)
 

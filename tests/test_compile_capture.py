@@ -97,7 +97,7 @@ def _moe_case(gen, mode: str, before: str, warmup: int = 2):
     compiled = torch.compile(model, backend=backend)
     stash = graphstash.StashConfig(**STASH) if mode == "stash" else None
     if mode == "stash" and before in ("eval", "train", "shape"):
-        with graphstash.StashManager(graphstash.StashConfig(**STASH)):
+        with graphstash.StashManager(graphstash.StashConfig(**STASH), device="cpu"):
             _compile_before(compiled, before, gen)
     else:
         _compile_before(compiled, before, gen)

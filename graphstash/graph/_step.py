@@ -962,6 +962,7 @@ class GraphStep:
         t0 = time.perf_counter()
         try:
             with torch.cuda.stream(stream):
+                torch.cuda.current_blas_handle()        # NOTE [library handles before capture]
                 pool = failed_capture.new_pool()        # NOTE [failed capture]
                 graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
@@ -1059,6 +1060,14 @@ class GraphStep:
 GraphStep.__init__.__signature__ = keyword_signature([
     inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
     inspect.Parameter("fn", inspect.Parameter.POSITIONAL_OR_KEYWORD)])
+
+
+# NOTE [library handles before capture]
+# cuBLAS creates its handle the first time a thread multiplies on a device, and cublasCreate
+# cannot run while a stream captures (CUBLAS_STATUS_NOT_INITIALIZED, measured on an H200 with
+# torch 2.11). A warmup step creates it; with warmup=0 a process whose first matmul is the
+# captured one would fail. So the capture asks for the handle on its own stream first: that
+# creates it, and binds the workspace for the capture stream outside the capture.
 
 
 def _refuse_step(owner_ref, optimizer, args, kwargs) -> None:

@@ -248,5 +248,7 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         pre = _RegatheredGEMM.apply(x, handle.source, w1, tokens_per_expert, impl1, handle, bad)
     else:
         pre = grouped_mm_resolved(x, w1, tokens_per_expert, impl1, bad)
-    return _ActivatedGEMM.apply(pre, row_weight, w2, tokens_per_expert,
-                                resolve_impl(pre, w2, impl), gated, bad)
+    # the second GEMM's input is the activation, [rows, w2 columns]: resolved on a view of
+    # that width, since its row bytes decide the native op's layout check as x's did the first
+    impl2 = resolve_impl(pre.narrow(1, 0, w2.shape[2]), w2, impl)
+    return _ActivatedGEMM.apply(pre, row_weight, w2, tokens_per_expert, impl2, gated, bad)
