@@ -18,16 +18,18 @@ def _args(*argv):
     return cli.build_parser().parse_args(["bench", "moe", *argv])
 
 
-@pytest.mark.parametrize("argv, world, launch", [
-    (("--ep", "2"), None, Launch("threads", 2, "local")),
-    (("--ep", "4", "--transport", "local"), None, Launch("threads", 4, "local")),
-    (("--ep", "2", "--transport", "ipc"), None, Launch("processes", 2, "ipc")),
-    (("--ep", "2"), "2", Launch("torchrun", 2, "auto")),
-    (("--transport", "symmetric"), "2", Launch("torchrun", 2, "symmetric")),
-    (("--transport", "nccl"), "4", Launch("torchrun", 4, "nccl")),
-    (("--ep", "2", "--transport", "ipc"), "1", Launch("processes", 2, "ipc")),
+@pytest.mark.parametrize("argv, world, gpu, launch", [
+    (("--ep", "2"), None, False, Launch("threads", 2, "local")),
+    (("--ep", "2"), None, True, Launch("processes", 2, "ipc")),
+    (("--ep", "4", "--transport", "local"), None, False, Launch("threads", 4, "local")),
+    (("--ep", "2", "--transport", "ipc"), None, True, Launch("processes", 2, "ipc")),
+    (("--ep", "2"), "2", True, Launch("torchrun", 2, "auto")),
+    (("--transport", "symmetric"), "2", True, Launch("torchrun", 2, "symmetric")),
+    (("--transport", "nccl"), "4", True, Launch("torchrun", 4, "nccl")),
+    (("--ep", "2", "--transport", "ipc"), "1", True, Launch("processes", 2, "ipc")),
 ])
-def test_the_flags_and_the_launcher_choose_how_ranks_run(monkeypatch, argv, world, launch):
+def test_the_flags_and_the_launcher_choose_how_ranks_run(monkeypatch, argv, world, gpu, launch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     if world is None:
         monkeypatch.delenv("WORLD_SIZE", raising=False)
     else:
@@ -50,6 +52,8 @@ BAD = [
                          "got 4"),
     (("--transport", "local"), "2", "--transport: 'local' runs the ranks as threads of one "
                                     "process"),
+    (("--ep", "2", "--transport", "local"), None,
+     "--transport: 'local' (ranks as threads of one process) is not offered on a GPU"),
     (("--ep", "2"), "two", "--ep: the launcher's WORLD_SIZE must be an int, got 'two'"),
     (("--ep", "2", "--modes", "graph + budget"), None,
      "--modes: expected names from eager peer, nccl chunks, worst-case buffers, live rows, "

@@ -1,6 +1,7 @@
 """The ranks of ``graphstash bench moe --ep N``: processes of a ``torch.distributed`` group
 (under ``torchrun``, or N processes sharing one GPU over CUDA IPC) or threads of one process
-(in-process transports), behind the few operations the bench's measuring loop needs: meet,
+(in-process transports; the bench runs them on the CPU only, NOTE [expert-parallel bench
+launch] in ``moe_ep.py``), behind the few operations the bench's measuring loop needs: meet,
 build the row's transport, combine figures, free the warmup's cache before a capture.
 
 NOTE [in-process bench ranks]: ranks that are threads of one process share one device, its
@@ -21,19 +22,16 @@ and the next call recaptures: nothing device-wide runs there. The figures and th
 a row also wait for a barrier first. Every rank builds its row, and its step allocates its
 page-locked flag buffer, before a barrier that precedes any exchange (CUDA lists page-locked
 allocations among the calls it may order against running work). Memory statistics are the
-device's: the bench reports them divided by the ranks. Garbage left by earlier work in the
-process (CUDA graphs and their pools) must not be freed while the ranks run, for the same
-reason: the threads start after a collection, a device synchronize and a cache release, with
-the cyclic collector off until they end. (Measured on an H200: in a test process where other
-GPU tests had captured graphs before, a rank once stopped signalling at a barrier; the bench
-command, a fresh process, never did. The test runs the command.)
+device's: the bench reports them divided by the ranks. All of this holds only while nothing
+else in the process waits for the whole device (the allocator freeing memory does): measured
+on an H200, thread ranks stalled at an early barrier when the GPU was shared with other test
+processes, so the command no longer offers them on a GPU; the code above serves the CPU.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import datetime
-import gc
 import json
 import os
 import tempfile
@@ -221,22 +219,10 @@ def run_threads(world_size: int, device: torch.device, fn, *args,
 
     threads = [threading.Thread(target=main, args=(r,), name=f"ep-rank-{r}")
                for r in range(world_size)]
-    # NOTE [in-process bench ranks]: garbage of earlier work (graphs, their pools) freed while
-    # the ranks run would free device memory, which waits for the whole device
-    collect = gc.isenabled()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-    gc.disable()
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        if collect:
-            gc.enable()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     first = [(r, e) for r, e in failed if not isinstance(e, threading.BrokenBarrierError)]
     if failed:

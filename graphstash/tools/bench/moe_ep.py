@@ -8,12 +8,12 @@ Launch (NOTE [expert-parallel bench launch]):
   process per GPU, NCCL for the peers, the live rows over ``--transport`` (``auto``: torch
   symmetric memory on the GPUs of one host; ``symmetric``, ``ipc``, or ``nccl`` for no
   live-row transport at all);
-- on one GPU, ``--transport local`` (the default there): N ranks as threads of this process,
-  one CUDA stream each, over in-process transports (NOTE [in-process ranks]): the fast
-  one-GPU path;
-- on one GPU, ``--transport ipc``: N processes sharing the GPU through CUDA IPC. Correct but
-  slow: processes take turns on the GPU, so every barrier waits for a time slice
-  (docs/exchange.md); the table says so.
+- on one GPU, ``--transport ipc`` (the default there): N processes sharing the GPU through
+  CUDA IPC. Correct but slow: processes take turns on the GPU, so every barrier waits for a
+  time slice (docs/exchange.md); the table says so;
+- on the CPU, ``--transport local`` (the default there): N ranks as threads of this process
+  over in-process transports, the coordination alone (the tests). Not on a GPU (NOTE
+  [expert-parallel bench launch] says why).
 
 Rows (NOTE [expert-parallel bench rows] in ``ep_rows.py``): ``eager peer`` (plain-PyTorch
 dropless MoE, ``all_to_all_single`` with split sizes read back every layer; NCCL ranks only),
@@ -64,11 +64,18 @@ MIB = 2.0 ** 20
 # run. Under torchrun (WORLD_SIZE > 1) every process is a rank on its own GPU: NCCL runs the
 # peers, and the live rows take the transport --transport names (symmetric memory by default).
 # Without it the N ranks share this process's GPU, where NCCL refuses to run ("Duplicate GPU
-# detected"), so the peers are reported as not available: as threads of this process
-# (--transport local, the default, NOTE [in-process bench ranks] in ep_ranks.py) or as N
-# spawned processes over CUDA IPC (--transport ipc), whose barriers wait for the GPU's time
-# slices. --transport symmetric and nccl need one process per GPU, --transport local needs one
-# process: the other combinations are refused before anything runs.
+# detected"), so the peers are reported as not available: as N spawned processes over CUDA
+# IPC (--transport ipc, the default on a GPU), whose barriers wait for the GPU's time slices,
+# or, on the CPU only, as threads of this process (--transport local, NOTE [in-process bench
+# ranks] in ep_ranks.py: the coordination the tests check). Threads are not offered on a GPU:
+# each rank's exchange kernels wait on the device for the other ranks' signals, so anything in
+# one thread that waits for the whole device (a synchronize, the allocator freeing memory)
+# stalls every rank until the transport's timeout. Measured on an H200: the thread ranks ran
+# alone, and stalled at an early barrier (rank 1 did not signal within 120 s) in two full
+# test-suite runs that shared the GPU with other test processes. Processes have a CUDA context
+# each, so one's device-wide wait does not wait on another's kernels. --transport symmetric and
+# nccl need one process per GPU, --transport local needs one process on the CPU: the other
+# combinations are refused before anything runs.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +102,12 @@ def add_arguments(group) -> None:
     group.add_argument("--ep", type=int, default=None, metavar="N",
                        help="expert parallelism over N ranks: the live-row exchange against "
                        "the eager peer, NCCL chunks and worst-case buffers (under torchrun N "
-                       "is WORLD_SIZE; on one GPU the ranks are threads or processes)")
+                       "is WORLD_SIZE; on one GPU the ranks are processes)")
     group.add_argument("--transport", choices=TRANSPORTS, default=None,
                        help="the live rows' transport with --ep: auto (torchrun: symmetric "
-                       "memory; one GPU: local), local (ranks as threads of one process), ipc "
-                       "(ranks as processes sharing a GPU: correct, slow), symmetric, nccl "
+                       "memory; one GPU: ipc), local (ranks as threads of one process; the CPU "
+                       "only), ipc (ranks as processes sharing a GPU: correct, slow), "
+                       "symmetric, nccl "
                        "(no live-row transport)")
 
 
@@ -153,7 +161,14 @@ def launch_from_args(args, environ=None) -> Launch:
             f"--transport: {transport!r} needs one process per GPU: launch with torchrun "
             f"--nproc-per-node {ep} -m graphstash.tools.cli bench moe --ep {ep}; on one GPU "
             f"use 'local' (ranks as threads) or 'ipc' (ranks as processes)")
-    if transport == "ipc":
+    on_gpu = torch.cuda.is_available()
+    if transport == "local" and on_gpu:
+        raise options.FlagError(
+            "--transport: 'local' (ranks as threads of one process) is not offered on a GPU "
+            "(NOTE [expert-parallel bench launch]): a device-wide wait in one rank's thread "
+            "stalls the other ranks' exchange kernels; use 'ipc' (ranks as processes sharing "
+            "the GPU) or torchrun")
+    if transport == "ipc" or (transport == "auto" and on_gpu):
         return Launch("processes", ep, "ipc")
     return Launch("threads", ep, "local")
 
