@@ -9,8 +9,8 @@ by a random map as a dispatch picks them) are moved on one GPU:
 - ``copy_out``: graphstash's gather kernel copies a region's live rows into a permuted buffer
   (zeros past them), as the receiver does;
 - torch: ``dst[:n].copy_(src[:n])`` (a contiguous copy of the same bytes: the bar the stash
-  kernels are held to) and ``torch.index_select(src, 0, index, out=dst[:n])`` (the same
-  gather).
+  kernels are held to), ``torch.index_select(src, 0, index, out=dst[:n])`` (the same
+  gather) and, for ``copy_out``, the same gather followed by zeros past the live rows.
 
 Bandwidth counts bytes read plus bytes written of the live rows. Times are medians over
 ``--reps`` CUDA-event timings of a graph of ``--inner`` launches. Prints a table; ``--json``
@@ -102,14 +102,19 @@ def run_case(live: int, rows: int, row_bytes: int, reps: int, inner: int) -> dic
         dst[:live].copy_(src[:live])
 
     index = token.long()
+    back_live = back[:live].long()
 
     def torch_gather():
         torch.index_select(src, 0, index, out=dst[:live])
 
+    def torch_copy_out():                  # copy_out's work in torch: the gather, then zeros
+        torch.index_select(received, 0, back_live, out=out[:live])
+        out[live:].zero_()
+
     moved = 2 * live * row_bytes
     ms = {name: _median_ms(fn, reps, inner) for name, fn in
           (("push", push), ("push_w", push_w), ("copy_out", copy_out), ("torch_copy", torch_copy),
-           ("torch_index_select", torch_gather))}
+           ("torch_index_select", torch_gather), ("torch_copy_out", torch_copy_out))}
     t0.check()
     gbps = {f"{k}_GBps": moved / (v * 1e-3) / 1e9 for k, v in ms.items()}
     # copy_out also writes zeros past the live rows: its bytes are counted as the live ones
@@ -119,6 +124,7 @@ def run_case(live: int, rows: int, row_bytes: int, reps: int, inner: int) -> dic
     result["push_w_vs_copy"] = ms["torch_copy"] / ms["push_w"]
     result["push_vs_index_select"] = ms["torch_index_select"] / ms["push"]
     result["copy_out_vs_copy"] = ms["torch_copy"] / ms["copy_out"]
+    result["copy_out_vs_torch_copy_out"] = ms["torch_copy_out"] / ms["copy_out"]
     for t in transports:
         t.close()
     return result
@@ -194,13 +200,15 @@ def main() -> None:
           f"(GB/s of live bytes read + written; ratio = torch time / ours)")
     print(f"{'live':>7s} {'row B':>6s} {'push':>8s} {'push+w':>8s} {'copy_out':>8s} "
           f"{'copy_':>8s} {'idx_sel':>8s} {'push/copy_':>10s} {'push+w/copy_':>12s} "
-          f"{'push/idx':>9s} {'out/copy_':>9s}")
+          f"{'push/idx':>9s} {'out/copy_':>9s} {'out/torch':>9s}")
     for r in results:
         print(f"{r['live']:7d} {r['row_bytes']:6d} {r['push_GBps']:8.0f} "
               f"{r['push_w_GBps']:8.0f} {r['copy_out_GBps']:8.0f} {r['torch_copy_GBps']:8.0f} "
               f"{r['torch_index_select_GBps']:8.0f} {r['push_vs_copy']:10.3f} "
               f"{r['push_w_vs_copy']:12.3f} {r['push_vs_index_select']:9.3f} "
-              f"{r['copy_out_vs_copy']:9.3f}")
+              f"{r['copy_out_vs_copy']:9.3f} {r['copy_out_vs_torch_copy_out']:9.3f}")
+    print("push/idx: against index_select of the same rows (torch's copy of them); out/torch: "
+          "against torch doing copy_out's work (the same gather, then zeros past the live rows)")
     tuned = []
     if args.variants:
         for live, rows, row_bytes in CASES:
