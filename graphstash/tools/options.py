@@ -139,3 +139,17 @@ def output_file(flag: str, path):
 def note(command: str, text: str) -> None:
     """Print a one-line note about a flag on stderr (``graphstash memory: note: ...``)."""
     print(f"graphstash {command}: note: {text}", file=sys.stderr)
+
+
+def names(flag: str, text, allowed: tuple, *, context: str = "") -> tuple:
+    """The comma-separated names ``text`` gives for ``flag`` (``allowed`` where it is empty or
+    None); :class:`FlagError` listing ``allowed`` (and ``context``, e.g. " with --ep") for a
+    name not among them."""
+    if not text:
+        return allowed
+    chosen = tuple(m.strip() for m in text.split(","))
+    bad = [m for m in chosen if m not in allowed]
+    if bad:
+        raise FlagError(f"{flag}: expected names from {', '.join(allowed)}{context}, "
+                        f"got {', '.join(map(repr, bad))}")
+    return chosen

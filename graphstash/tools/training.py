@@ -63,6 +63,27 @@ def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return (model(x).float() - y).pow(2).mean()
 
 
+def forward_backward_of(model: torch.nn.Module) -> Callable:
+    """``f(x, y)``: :func:`loss_of` ``(model, x, y)``, its backward, and the loss detached (the
+    body a ``graph_step`` captures). Tensors as for :func:`loss_of`."""
+    def forward_backward(x, y):
+        loss = loss_of(model, x, y)
+        loss.backward()
+        return loss.detach()
+    return forward_backward
+
+
+def eager_step(forward_backward: Callable, optimizer: torch.optim.Optimizer) -> Callable:
+    """``step(x, y)``: the eager loop's step around ``forward_backward`` (zero the gradients,
+    run it, ``optimizer.step()``); returns its loss."""
+    def step(x, y):
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward_backward(x, y)
+        optimizer.step()
+        return loss
+    return step
+
+
 @dataclasses.dataclass
 class TrainingRun:
     """A model, its optimizer and its step.
@@ -129,18 +150,9 @@ def build(config: MoEConfig, mode: str, device: torch.device, dtype: torch.dtype
     compiled = None if compile_kwargs is None else torch.compile(model, **compile_kwargs)
     runs = model if compiled is None else compiled
 
-    def forward_backward(x, y):
-        loss = loss_of(runs, x, y)
-        loss.backward()
-        return loss.detach()
-
+    forward_backward = forward_backward_of(runs)
     if not graphed:
-        def step(x, y):
-            opt.zero_grad(set_to_none=True)
-            loss = forward_backward(x, y)
-            opt.step()
-            return loss
-        return TrainingRun(model, opt, step, None, compiled)
+        return TrainingRun(model, opt, eager_step(forward_backward, opt), None, compiled)
     # dispatch raises its flags in the running step's status (no status= wiring)
     train_step = graph_step(forward_backward, optimizer=opt, stash=stash, warmup=warmup,
                             device=device)

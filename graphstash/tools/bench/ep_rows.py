@@ -33,7 +33,7 @@ import torch
 from ...graph import graph_step
 from ...models import MoEConfig, MoEModel
 from ...moe import budget_rows
-from ..training import WARMUP, TrainingRun, loss_of
+from ..training import WARMUP, TrainingRun, eager_step, forward_backward_of
 
 ROWS = ("eager peer", "nccl chunks", "worst-case buffers", "live rows", "live rows + stash")
 GRAPHED = ROWS[1:]
@@ -144,18 +144,9 @@ def build_row(row: str, config: MoEConfig, device: torch.device, dtype: torch.dt
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=on_gpu or None,
                             capturable=on_gpu and graphed)
 
-    def forward_backward(x, y):
-        loss = loss_of(model, x, y)
-        loss.backward()
-        return loss.detach()
-
+    forward_backward = forward_backward_of(model)
     if not graphed:
-        def step(x, y):
-            opt.zero_grad(set_to_none=True)
-            loss = forward_backward(x, y)
-            opt.step()
-            return loss
-        return TrainingRun(model, opt, step, None)
+        return TrainingRun(model, opt, eager_step(forward_backward, opt), None)
     train_step = graph_step(forward_backward, optimizer=opt, warmup=warmup, device=device,
                             stash=stash if row == "live rows + stash" else None,
                             release_warmup_cache=release_warmup_cache)

@@ -174,15 +174,7 @@ def modes_from_args(args) -> tuple:
 
     if moe_ep.requested(args):
         return moe_ep.rows_from_args(args)
-    text = getattr(args, "modes", None)
-    if not text:
-        return MODES
-    modes = tuple(m.strip() for m in text.split(","))
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise options.FlagError(f"--modes: expected names from {', '.join(MODES)}, "
-                                f"got {', '.join(map(repr, bad))}")
-    return modes
+    return options.names("--modes", getattr(args, "modes", None), MODES)
 
 
 def _fit_layers(config: MoEConfig, world: int, device) -> int:

@@ -209,15 +209,7 @@ def configs_from_args(args, quick: bool, *, notes: bool = True) -> dict:
 
 def rows_from_args(args) -> tuple:
     """The rows ``--modes`` names (default: every row of :data:`ROWS`)."""
-    text = getattr(args, "modes", None)
-    if not text:
-        return ROWS
-    rows = tuple(m.strip() for m in text.split(","))
-    bad = [m for m in rows if m not in ROWS]
-    if bad:
-        raise options.FlagError(f"--modes: expected names from {', '.join(ROWS)} with --ep, "
-                                f"got {', '.join(map(repr, bad))}")
-    return rows
+    return options.names("--modes", getattr(args, "modes", None), ROWS, context=" with --ep")
 
 
 def fit_layers(config: MoEConfig, world_size: int, ranks_per_device: int, free_bytes: int,
