@@ -98,12 +98,7 @@ def plot_file(flag: str, path):
     if not formats:
         raise FlagError(f"{flag}: writing a figure needs matplotlib (pip install matplotlib), "
                         "which cannot be imported")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FlagError(f"{flag}: expected a file in an existing directory, got {path!r} "
-                        f"({directory} does not exist)")
-    if os.path.isdir(path):
-        raise FlagError(f"{flag}: expected a file name, got the directory {path!r}")
+    output_file(flag, path)
     ext = os.path.splitext(path)[1].lstrip(".").lower()
     if ext not in formats:
         raise FlagError(f"{flag}: expected a file ending in one of "
