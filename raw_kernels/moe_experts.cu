@@ -125,14 +125,18 @@ __device__ void act_fwd_impl(T* __restrict__ out, const T* __restrict__ pre,
 // grad_row[r] = <grad_out[r], act(pre[r])> (accumulator type; NOTE [row dot order]: each lane
 // sums its blocks' rounded products in order, then a shuffle-down tree; lane 0 writes).
 // Same mapping as the forward; rows in [live, rows) get zeros when zero_tail, else nothing.
-// grad_pre may be pre itself (NOTE [expert backward temporaries] in graphstash/moe/mlp.py):
-// the lane that writes an element of grad_pre (both halves when gated) has read the elements
-// of pre it needs in the same step, and no lane reads an element another lane writes; the
-// two pointers are therefore not __restrict__.
+// When act_out is not null it also gets the forward's output, recomputed: act_out[r] =
+// act(pre[r]) * w[r], rounded as the forward rounds it (gs_expert_act_fwd writes the same
+// bits), so the second GEMM's weight gradient needs no separate recomputation pass.
+// grad_pre may be pre itself and act_out may be grad_out itself (NOTE [expert backward
+// temporaries] in graphstash/moe/mlp.py): the lane that writes an element of grad_pre (both
+// halves when gated) or of act_out has read the elements of pre and grad_out it needs in the
+// same step, and no lane reads an element another lane writes; those pointers are therefore
+// not __restrict__.
 // ---------------------------------------------------------------------------------------
 template <typename T, bool GATED, bool VEC>
 __device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ grad_row,
-                             const T* __restrict__ grad_out, const T* pre,
+                             T* act_out, const T* grad_out, const T* pre,
                              const T* __restrict__ row_weight, const long long* __restrict__ live,
                              long long rows, long long ffn, int zero_tail) {
     using A = typename Acc<T>::type;
@@ -143,6 +147,7 @@ __device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ gr
             for (long long b = w.lane; b < w.blocks; b += 32) {
                 zero8<T, VEC>(gp, b * GS_BLOCK, ffn);
                 if (GATED) zero8<T, VEC>(gp + ffn, b * GS_BLOCK, ffn);
+                if (act_out != nullptr) zero8<T, VEC>(act_out + r * ffn, b * GS_BLOCK, ffn);
             }
             if (grad_row != nullptr && w.lane == 0) grad_row[r] = A(0);
             continue;
@@ -151,11 +156,12 @@ __device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ gr
         const T* go_row = grad_out + r * ffn;
         const bool weighted = row_weight != nullptr;
         const A scale = weighted ? to_acc(row_weight[r]) : A(1);
+        T* act_row = act_out != nullptr ? act_out + r * ffn : nullptr;
         A dot = A(0);
         #pragma unroll 2
         for (long long b = w.lane; b < w.blocks; b += 32) {
             const long long j0 = b * GS_BLOCK;
-            A g[GS_BLOCK], u[GS_BLOCK], ga[GS_BLOCK], dg[GS_BLOCK];
+            A g[GS_BLOCK], u[GS_BLOCK], ga[GS_BLOCK], dg[GS_BLOCK], a[GS_BLOCK];
             load8<T, VEC>(g_row, j0, ffn, g);
             load8<T, VEC>(go_row, j0, ffn, ga);
             if (GATED) load8<T, VEC>(g_row + ffn, j0, ffn, u);
@@ -164,8 +170,9 @@ __device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ gr
                 const A s = silu_of(g[e]);
                 const A sg = acc_div(A(1), acc_add(A(1), acc_exp(-g[e])));
                 const A ds = acc_mul(sg, acc_add(A(1), acc_mul(g[e], acc_sub(A(1), sg))));
-                if (grad_row != nullptr && j0 + e < ffn)
-                    dot = acc_add(dot, acc_mul(ga[e], GATED ? acc_mul(s, u[e]) : s));
+                a[e] = GATED ? acc_mul(s, u[e]) : s;        // the forward's activation
+                if (grad_row != nullptr && j0 + e < ffn) dot = acc_add(dot, acc_mul(ga[e], a[e]));
+                if (weighted) a[e] = acc_mul(a[e], scale);  // ... and its output
                 const A gw = weighted ? acc_mul(ga[e], scale) : ga[e];
                 if (GATED) {
                     dg[e] = acc_mul(acc_mul(gw, u[e]), ds);
@@ -176,6 +183,7 @@ __device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ gr
             }
             store8<T, VEC>(gp, j0, ffn, dg);
             if (GATED) store8<T, VEC>(gp + ffn, j0, ffn, u);
+            if (act_row != nullptr) store8<T, VEC>(act_row, j0, ffn, a);
         }
         if (grad_row != nullptr) {
             #pragma unroll
@@ -194,11 +202,11 @@ __device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ gr
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GS_THREADS)                                   \
         gs_expert_act_bwd_##NAME##_g##GATED##_v##W(                                            \
-            T* grad_pre, Acc<T>::type* grad_row, const T* grad_out, const T* pre,              \
+            T* grad_pre, Acc<T>::type* grad_row, T* act_out, const T* grad_out, const T* pre,  \
             const T* row_weight, const long long* live, long long rows, long long ffn,         \
             int zero_tail) {                                                                   \
-        act_bwd_impl<T, GATED, VEC>(grad_pre, grad_row, grad_out, pre, row_weight, live, rows, \
-                                    ffn, zero_tail);                                           \
+        act_bwd_impl<T, GATED, VEC>(grad_pre, grad_row, act_out, grad_out, pre, row_weight,    \
+                                    live, rows, ffn, zero_tail);                               \
     }
 // Per dtype (element size SIZE bytes, GS_BLOCK * SIZE = PACK): plain and gated, element by
 // element (W = SIZE) and in GS_BLOCK-element packs (W = PACK).

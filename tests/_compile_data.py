@@ -57,9 +57,10 @@ def opcheck_expert_operators(gen, dtype, gated, device="cpu", rows=21, ffn=16) -
                     flags)
             grad_row = (torch.full((rows,), 7, dtype=acc, device=device)
                         if weight is not None else None)
-            opcheck(kernel_experts.act_backward,
-                    (torch.full((rows, width), 7, dtype=dtype, device=device), grad_row,
-                     grad_out, pre, weight, live), flags)
+            for write_act in (False, True):
+                opcheck(kernel_experts.act_backward,
+                        (torch.full((rows, width), 7, dtype=dtype, device=device), grad_row,
+                         grad_out.clone(), pre, weight, live), {**flags, "write_act": write_act})
 
 
 def pool_tensors(gen, num_dev, num_host, page_rows, row_bytes, device="cpu", entries=256):

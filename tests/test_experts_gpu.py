@@ -66,6 +66,21 @@ def test_kernels_match_reference_exactly(gen, dtype, gated, ffn, zero_tail):
             assert not grads[0][:live_rows].isnan().any()
             assert (grads[0][live_rows:] == 0).all() if zero_tail else grads[0][live_rows:].isnan().all()
 
+            # write_act: the same gradients, and the forward's output over grad_out (the
+            # tail poisoned, so untouched rows show)
+            overwritten = [grad_out.clone() for _ in range(2)]
+            for o in overwritten:
+                o[live_rows:] = float("nan")
+            again = _poisoned((R, width), dtype)
+            cupy_ops.act_backward(again[0], None, overwritten[0], pre, w, live, gated=gated,
+                                  zero_tail=zero_tail, write_act=True)
+            ref_ops.act_backward(again[1], None, overwritten[1], pre, w, live, gated=gated,
+                                 zero_tail=zero_tail, write_act=True)
+            torch.testing.assert_close(again[0], grads[0], equal_nan=True, **EXACT)
+            torch.testing.assert_close(again[1], grads[1], equal_nan=True, **EXACT)
+            torch.testing.assert_close(overwritten[0], outs[0], equal_nan=True, **EXACT)
+            torch.testing.assert_close(overwritten[1], outs[1], equal_nan=True, **EXACT)
+
 
 @pytest.mark.parametrize("gated", [False, True])
 def test_expert_mlp_gradcheck_fp64_on_gpu(gen, gated):

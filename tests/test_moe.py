@@ -278,6 +278,38 @@ def test_activation_gradient_written_over_the_pre_activation(gen, gated):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("zero_tail", [False, True])
+def test_activation_backward_writes_the_forward_output_over_its_gradient(gen, dtype, gated,
+                                                                         zero_tail):
+    """NOTE [expert backward temporaries]: with write_act the activation's backward gives the
+    same gradients, and grad_out then holds what act_forward writes, bit for bit (rows past the
+    live count untouched, or zeros with zero_tail); the pre-activation may be grad_pre."""
+    from graphstash.reference.experts import act_backward, act_forward
+
+    R, F, live_rows = 13, 20, 9
+    width = 2 * F if gated else F
+    pre = (torch.randn(R, width, generator=gen) * 3).to(dtype)
+    w = (torch.rand(R, generator=gen) + 0.1).to(dtype)
+    grad_out = torch.randn(R, F, generator=gen).to(dtype)
+    live = torch.tensor([live_rows])
+    want_act = torch.full((R, F), float("nan"), dtype=dtype)
+    act_forward(want_act, pre, w, live, gated=gated, zero_tail=zero_tail)
+    want_grad = torch.full((R, width), float("nan"), dtype=dtype)
+    want_row = torch.full((R,), float("nan"))
+    act_backward(want_grad, want_row, grad_out, pre, w, live, gated=gated, zero_tail=zero_tail)
+    assert want_grad[:live_rows].abs().max() > 0.1
+    over, in_place = grad_out.clone(), pre.clone()
+    over[live_rows:] = float("nan")
+    row = torch.full((R,), float("nan"))
+    act_backward(in_place, row, over, in_place, w, live, gated=gated, zero_tail=zero_tail,
+                 write_act=True)
+    torch.testing.assert_close(row, want_row, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(in_place[:live_rows], want_grad[:live_rows], rtol=0, atol=0)
+    torch.testing.assert_close(over, want_act, rtol=0, atol=0, equal_nan=True)
+
+
 def test_row_dot_follows_the_kernel_order(gen):
     """NOTE [row dot order]: 8-element blocks dealt to 32 lanes, then a halving tree; the
     result is the exact float64 dot within float32 rounding, for widths below, at and past

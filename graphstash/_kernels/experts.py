@@ -63,9 +63,10 @@ def _act_forward(out: torch.Tensor, pre: torch.Tensor, row_weight: torch.Tensor 
 def _act_backward(grad_pre: torch.Tensor, grad_row: torch.Tensor | None,
                   grad_out: torch.Tensor, pre: torch.Tensor, row_weight: torch.Tensor | None,
                   live: torch.Tensor, *, gated: bool, activation: str = "silu",
-                  zero_tail: bool = False) -> None:
+                  zero_tail: bool = False, write_act: bool = False) -> None:
     """Launch ``gs_expert_act_bwd_*`` (arguments as
-    :func:`graphstash.reference.experts.act_backward`; ``live`` is int64 ``[1]``)."""
+    :func:`graphstash.reference.experts.act_backward`; ``live`` is int64 ``[1]``; with
+    ``write_act`` the kernel writes the forward's output over ``grad_out``)."""
     rows, ffn = grad_out.shape
     if rows == 0 or ffn == 0:
         return
@@ -73,12 +74,14 @@ def _act_backward(grad_pre: torch.Tensor, grad_row: torch.Tensor | None,
     name = _variant("bwd", pre, gated, ffn, grad_pre, grad_out)
     wptr = ptr(row_weight) if row_weight is not None else np.uint64(0)
     rptr = ptr(grad_row) if grad_row is not None else np.uint64(0)
-    args = (ptr(grad_pre), rptr, ptr(grad_out), ptr(pre), wptr, ptr(live), np.int64(rows),
-            np.int64(ffn), np.int32(bool(zero_tail)))
+    aptr = ptr(grad_out) if write_act else np.uint64(0)
+    args = (ptr(grad_pre), rptr, aptr, ptr(grad_out), ptr(pre), wptr, ptr(live),
+            np.int64(rows), np.int64(ffn), np.int32(bool(zero_tail)))
     launch("moe_experts", name, -(-rows // _WARPS), grad_pre.device.index, args)
 
 
 act_forward = kernel_op("act_forward", _act_forward, mutates_args=("out",),
                         cpu=_reference.act_forward)
-act_backward = kernel_op("act_backward", _act_backward, mutates_args=("grad_pre", "grad_row"),
+act_backward = kernel_op("act_backward", _act_backward,
+                         mutates_args=("grad_pre", "grad_row", "grad_out"),
                          cpu=_reference.act_backward)

@@ -14,7 +14,8 @@ gated):
   and keeps nothing, and the weight's gradient is ``<grad of the scaled activation,
   activation>`` per row, computed in the second GEMM's backward;
 - the second GEMM's backward recomputes the scaled activation from the kept pre-activation
-  (an elementwise pass) instead of keeping it.
+  instead of keeping it: the activation's backward kernel, which reads the pre-activation
+  anyway, writes it (NOTE [expert backward temporaries]).
 
 Every GEMM runs once forward and twice backward, as without recomputation. Fewer kept rows
 mean less for a stash to copy out and back, and less memory with or without one.
@@ -47,9 +48,16 @@ layer's saved tensors, which is where a step's peak was (the memory-bound config
 ``graphstash bench moe``, docs/moe-performance.md). So the backward keeps as few alive at
 once as the arithmetic allows:
 
-- each GEMM's weight gradient is computed first and its input (the recomputed activation,
-  the regathered tokens) freed before the input gradient is allocated, which then takes the
-  freed memory (:func:`~graphstash.moe.experts.grouped_mm_grads` computes either half);
+- the first GEMM's weight gradient is computed first and its input (the regathered tokens)
+  freed before the input gradient is allocated, which then takes the freed memory
+  (:func:`~graphstash.moe.experts.grouped_mm_grads` computes either half);
+- the second GEMM's input gradient (the activation's gradient, ``[rows, ffn]``) comes first,
+  and one fused kernel reads it with the pre-activation, writes the pre-activation's gradient
+  and writes the recomputed, scaled activation over the activation's gradient, which the
+  weight gradient then reads. The recomputation costs no pass of its own over the
+  pre-activation (it was one until the kernel wrote both: measured on an H200 at
+  Qwen3-30B-A3B widths, 8192 tokens, 95 us a layer, docs/moe-performance.md change 8), and
+  the activation takes no memory of its own;
 - the activation's gradient is written over the pre-activation it is computed from (the
   fused kernel reads each element before it writes it, in the same thread), instead of into
   a new ``[rows, ffn]`` (``[rows, 2 * ffn]`` gated) tensor. Only when the saved tensor is not
@@ -60,9 +68,9 @@ once as the arithmetic allows:
   values.
 
 At its worst point the second GEMM's backward now holds, beside the ``[rows, hidden]``
-output gradient, the pre-activation (then the activation's gradient, in the same memory) and
-one ``[rows, ffn]`` block (the recomputed activation, then its gradient): two such blocks
-instead of three for plain experts, three instead of five for gated ones (whose
+output gradient, the pre-activation (then its gradient, in the same memory) and one
+``[rows, ffn]`` block (the activation's gradient, then the recomputed activation): two such
+blocks instead of three for plain experts, three instead of five for gated ones (whose
 pre-activation is ``[rows, 2 * ffn]``).
 """
 from __future__ import annotations
@@ -133,24 +141,24 @@ class _ActivatedGEMM(torch.autograd.Function):
         ops, impl, gated = ctx.ops, ctx.impl, ctx.gated
         grad_y = grad_y.contiguous()
         live = counts.sum().view(1)
-        # NOTE [expert backward temporaries]: the recomputed activation lives only for the
-        # weight gradient; the activation's gradient then takes its memory
-        a = pre.new_empty(pre.shape[0], w2.shape[2])
-        ops.act_forward(a, pre, row_weight, live, gated=gated)
-        _, grad_w2 = grouped_mm_grads(grad_y, a, w2, counts, impl, bad=ctx.bad, need_x=False)
-        del a
+        # NOTE [expert backward temporaries]: the activation's gradient first; the fused
+        # kernel then writes the recomputed activation over it, which lives only for the
+        # weight gradient
         grad_a, _ = grouped_mm_grads(grad_y, None, w2, counts, impl, bad=ctx.bad,
                                      need_weight=False)
-        del grad_y
+        grad_a = grad_a.contiguous()
         grad_row = None
         if row_weight is not None and ctx.needs_input_grad[1]:
             grad_row = torch.empty(pre.shape[0], dtype=acc_dtype(pre.dtype), device=pre.device)
         over = _may_overwrite(pre)
         grad_pre = pre if over else torch.empty_like(pre)
-        ops.act_backward(grad_pre, grad_row, grad_a.contiguous(), pre, row_weight, live,
-                         gated=gated)
+        ops.act_backward(grad_pre, grad_row, grad_a, pre, row_weight, live, gated=gated,
+                         write_act=True)
         if over:
             torch.autograd.graph.increment_version(pre)
+        a, grad_a = grad_a, None
+        _, grad_w2 = grouped_mm_grads(grad_y, a, w2, counts, impl, bad=ctx.bad, need_x=False)
+        del a, grad_y
         if grad_row is not None:
             # rows past the count carry no router weight (dispatch gives them 0) and were not
             # computed (NOTE [count-aware expert kernels])

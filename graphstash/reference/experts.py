@@ -109,17 +109,24 @@ def act_forward(out: torch.Tensor, pre: torch.Tensor, row_weight: torch.Tensor |
 
 def act_backward(grad_pre: torch.Tensor, grad_row: torch.Tensor | None, grad_out: torch.Tensor,
                  pre: torch.Tensor, row_weight: torch.Tensor | None, live: torch.Tensor, *,
-                 gated: bool, activation: str = "silu", zero_tail: bool = False) -> None:
-    """Gradients of :func:`act_forward` for rows ``r < live``.
+                 gated: bool, activation: str = "silu", zero_tail: bool = False,
+                 write_act: bool = False) -> None:
+    """Gradients of :func:`act_forward` for rows ``r < live``; with ``write_act``, also the
+    forward's output, recomputed, written over ``grad_out`` (the values :func:`act_forward`
+    writes), once the gradients are computed.
 
     Args:
         grad_pre: ``[rows, ffn]`` or ``[rows, 2 * ffn]`` destination (shape and dtype of pre).
         grad_row: ``[rows]`` destination in the accumulator dtype (float32; float64 for
             float64 data) for the router weight's gradient, or ``None`` to skip it (it needs
             ``row_weight``).
-        grad_out: ``[rows, ffn]`` gradient of the forward's output, dtype of pre.
+        grad_out: ``[rows, ffn]`` gradient of the forward's output, dtype of pre; with
+            ``write_act`` its rows ``< live`` are then overwritten with the forward's output.
         pre, row_weight, live, gated: as in the forward.
-        zero_tail: write zeros into the rows ``>= live`` of grad_pre and grad_row.
+        zero_tail: write zeros into the rows ``>= live`` of grad_pre and grad_row (and of
+            grad_out with ``write_act``).
+        write_act: also recompute the forward's output into grad_out (NOTE [expert backward
+            temporaries] in ``graphstash/moe/mlp.py``).
     """
     acc = acc_dtype(pre.dtype)
     ffn = grad_out.shape[1]
@@ -129,12 +136,18 @@ def act_backward(grad_pre: torch.Tensor, grad_row: torch.Tensor | None, grad_out
     s = _silu(g)
     sg = 1 / (1 + torch.exp(-g))
     ds = sg * (1 + g * (1 - sg))
+    a = s * u if gated else s
     if grad_row is not None:
-        _store(grad_row, row_dot(ga, s * u if gated else s), mask.squeeze(1), zero_tail)
+        _store(grad_row, row_dot(ga, a), mask.squeeze(1), zero_tail)
     if row_weight is not None:
         ga = ga * row_weight.to(acc).unsqueeze(1)
+        a = a * row_weight.to(acc).unsqueeze(1)
     if gated:
         grad = torch.cat([(ga * u) * ds, ga * s], dim=1)
     else:
         grad = ga * ds
+    # every value is computed before anything is stored: grad_pre may be pre, and ga a view
+    # of grad_out (float32 data)
     _store(grad_pre, grad, mask, zero_tail)
+    if write_act:
+        _store(grad_out, a, mask, zero_tail)
