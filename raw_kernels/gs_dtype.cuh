@@ -55,3 +55,30 @@ __device__ __forceinline__ double acc_exp(double a) { return exp(a); }
 // N elements loaded and stored together (16 bytes when the row and pointers allow it).
 template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };
 
+// N accumulator values rounded into a pack, each as from_acc rounds it.
+//
+// NOTE [paired rounding]: on sm_80 and later two floats become two bfloat16 in one
+// instruction (cvt.rn.bf16x2.f32, round to nearest even): the same bits as from_acc<Bf16> for
+// every value but NaN, which stays a NaN (with another payload). The expert backward rounds
+// three packs per block of 8 elements; one instruction per pair instead of five per element
+// took it from 205 to 159 us at Qwen3-30B-A3B widths on an H200 (docs/moe-performance.md,
+// change 10).
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> to_pack(const typename Acc<T>::type (&v)[N]) {
+    Pack<T, N> p;
+    #pragma unroll
+    for (int e = 0; e < N; ++e) p.v[e] = from_acc<T>(v[e]);
+    return p;
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+template <>
+__device__ __forceinline__ Pack<Bf16, 8> to_pack<Bf16, 8>(const float (&v)[8]) {
+    Pack<Bf16, 8> p;
+    unsigned int* w = reinterpret_cast<unsigned int*>(&p);
+    #pragma unroll
+    for (int e = 0; e < 4; ++e)     // high half from the second operand's element
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[e]) : "f"(v[2 * e + 1]), "f"(v[2 * e]));
+    return p;
+}
+#endif
+

@@ -47,6 +47,74 @@ GS_GATHER(2, unsigned short)
 GS_GATHER(1, unsigned char)
 
 // ---------------------------------------------------------------------------------------
+// gs_moe_spread_v<W>: the same result as gs_moe_gather_v<W> (dst[i] = src[index[i]], zero
+// where index[i] is no source row), computed from the inverse map: inverse[j, k] is the dst
+// row fed by source row j in its slot k (-1: none), and every row i with a source appears
+// there exactly once.
+//
+// NOTE [spread rows]: a gather reads a source row once per destination (K times for a token
+// routed to K experts), so at MoE widths it is bound by L2 traffic (91 % of L2 throughput
+// under ncu, 113 us for 65536 rows of 4 KiB on an H200). Here a warp owns a source row,
+// reads it once (U vectors per lane in flight) and writes it to its K destinations, and the
+// rows without a source are zeroed by a warp-per-row pass: 87 us, against 81 us for zeroing
+// the same bytes (docs/moe-performance.md, change 9). Each dst element is written exactly
+// once, bitwise, so the result equals the gather's; no atomics. K <= 32 (the launcher falls
+// back to the gather above that).
+// ---------------------------------------------------------------------------------------
+template <typename V, int U>
+__device__ void spread_impl(V* __restrict__ dst, const V* __restrict__ src,
+                            const int* __restrict__ index, const int* __restrict__ inverse,
+                            int K, long long rows_out, long long vec_per_row,
+                            long long src_rows) {
+    const int lane = threadIdx.x & 31;
+    const long long first = static_cast<long long>(blockIdx.x) * GS_WARPS + (threadIdx.x >> 5);
+    const long long warps = static_cast<long long>(gridDim.x) * GS_WARPS;
+    for (long long j = first; j < src_rows; j += warps) {
+        int my_row = lane < K ? __ldg(inverse + j * K + lane) : -1;
+        if (my_row >= rows_out) my_row = -1;
+        if (__ballot_sync(0xffffffffu, my_row >= 0) == 0u) continue;    // nothing to feed
+        const V* s = src + j * vec_per_row;
+        // every lane runs every step (the shuffles need the whole warp), masked past the row
+        for (long long c0 = 0; c0 < vec_per_row; c0 += 32 * U) {
+            V v[U];
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const long long c = c0 + 32 * u + lane;
+                if (c < vec_per_row) v[u] = s[c];
+            }
+            for (int k = 0; k < K; ++k) {
+                const int row = __shfl_sync(0xffffffffu, my_row, k);
+                if (row < 0) continue;
+                V* d = dst + static_cast<long long>(row) * vec_per_row;
+                #pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const long long c = c0 + 32 * u + lane;
+                    if (c < vec_per_row) d[c] = v[u];
+                }
+            }
+        }
+    }
+    for (long long i = first; i < rows_out; i += warps) {      // rows without a source
+        const int j = __ldg(index + i);
+        if (j >= 0 && j < src_rows) continue;
+        V* d = dst + i * vec_per_row;
+        for (long long c = lane; c < vec_per_row; c += 32) d[c] = V{};
+    }
+}
+
+#define GS_SPREAD(W, V)                                                                        \
+    extern "C" __global__ void __launch_bounds__(GS_THREADS)                                   \
+        gs_moe_spread_v##W(V* dst, const V* src, const int* index, const int* inverse, int K,  \
+                           long long rows_out, long long vec_per_row, long long src_rows) {    \
+        spread_impl<V, 4>(dst, src, index, inverse, K, rows_out, vec_per_row, src_rows);       \
+    }
+GS_SPREAD(16, uint4)
+GS_SPREAD(8, uint2)
+GS_SPREAD(4, unsigned int)
+GS_SPREAD(2, unsigned short)
+GS_SPREAD(1, unsigned char)
+
+// ---------------------------------------------------------------------------------------
 // gs_moe_combine_<dtype>_v<W>: dst[i] = sum_k weight[i, k] * src[index[i, k]] over the K
 // slots of row i with index >= 0 (weight == nullptr means 1). Grid-stride over the flat
 // (row, pack) space of dst, N elements (W bytes) per pack; each dst pack is written once, accumulated
@@ -80,10 +148,7 @@ __device__ void combine_impl(T* __restrict__ dst, const T* __restrict__ src,
                 for (int e = 0; e < N; ++e) acc[e] = acc_add(acc[e], to_acc(p.v[e]));
             }
         }
-        P out;
-        #pragma unroll
-        for (int e = 0; e < N; ++e) out.v[e] = from_acc<T>(acc[e]);
-        reinterpret_cast<P*>(dst + row * hidden)[col] = out;
+        reinterpret_cast<P*>(dst + row * hidden)[col] = to_pack<T, N>(acc);   // NOTE [paired rounding]
     }
 }
 

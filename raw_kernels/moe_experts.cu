@@ -33,12 +33,9 @@ __device__ __forceinline__ void load8(const T* __restrict__ p, long long j0, lon
 
 template <typename T, bool VEC>
 __device__ __forceinline__ void store8(T* __restrict__ p, long long j0, long long n,
-                                       const typename Acc<T>::type v[GS_BLOCK]) {
+                                       const typename Acc<T>::type (&v)[GS_BLOCK]) {
     if (VEC) {
-        Pack<T, GS_BLOCK> pk;
-        #pragma unroll
-        for (int e = 0; e < GS_BLOCK; ++e) pk.v[e] = from_acc<T>(v[e]);
-        *reinterpret_cast<Pack<T, GS_BLOCK>*>(p + j0) = pk;
+        *reinterpret_cast<Pack<T, GS_BLOCK>*>(p + j0) = to_pack<T, GS_BLOCK>(v);
     } else {
         #pragma unroll
         for (int e = 0; e < GS_BLOCK; ++e)

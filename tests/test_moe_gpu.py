@@ -64,6 +64,36 @@ def test_kernels_match_reference_exactly(gen, dtype, hidden):
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5 * outs[1].abs().max())
 
 
+def _spread_maps(gen, M, N, K):
+    """A consistent index / inverse pair: N destination rows, some fed by one (source, slot)
+    of M sources x K slots each, some fed by none; some slots feed nothing (dropped)."""
+    pairs = torch.randperm(M * K, generator=gen)[:min(N, M * K) * 3 // 4]
+    rows = torch.randperm(N, generator=gen)[:pairs.numel()]
+    index = torch.full((N,), -1, dtype=torch.int32)
+    index[rows] = (pairs // K).to(torch.int32)
+    inverse = torch.full((M * K,), -1, dtype=torch.int32)
+    inverse[pairs] = rows.to(torch.int32)
+    return index.cuda(), inverse.view(M, K).cuda()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [1, 7, 64, 1000, 2048])
+@pytest.mark.parametrize("K", [1, 3, 8, 32, 33])
+def test_spread_equals_the_gather_exactly(gen, dtype, hidden, K):
+    """NOTE [spread rows]: the gather given the inverse map (the spread kernel; K = 33 falls
+    back to the gather) writes what the reference gather writes, every destination row
+    (rows without a source get zeros over poison)."""
+    cupy_ops, ref_ops = _ops()
+    M, N = 97, 211
+    src = tokens(M, hidden, gen, dtype).cuda()
+    index, inverse = _spread_maps(gen, M, N, K)
+    outs = [torch.full((N, hidden), float("nan"), dtype=dtype, device="cuda") for _ in range(2)]
+    cupy_ops.gather_rows(outs[0], src, index, inverse=inverse)
+    ref_ops.gather_rows(outs[1], src, index)
+    torch.testing.assert_close(outs[0], outs[1], **EXACT)
+    assert (outs[0][index < 0] == 0).all() and (index < 0).any() and (index >= 0).any()
+
+
 def test_unaligned_views_use_scalar_path(gen):
     cupy_ops, ref_ops = _ops()
     base = tokens(65, 9, gen, torch.bfloat16).cuda()

@@ -26,6 +26,7 @@ _WARPS = THREADS // 32
 register_source(
     "moe_dispatch", "moe_dispatch.cu",
     tuple(f"gs_moe_gather_v{w}" for w in VECTOR_WIDTHS)
+    + tuple(f"gs_moe_spread_v{w}" for w in VECTOR_WIDTHS)
     + tuple(f"gs_moe_combine_{n}_v{w}" for n, size in _DTYPES.values() for w in (16, size))
     + tuple(f"gs_moe_weight_grad_{n}" for n, _ in _DTYPES.values()))
 
@@ -34,14 +35,26 @@ def _blocks(elements: int) -> int:
     return max(1, -(-elements // THREADS))
 
 
-def _gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
-    """Launch ``gs_moe_gather_v*``: ``out[i] = src[index[i]]`` (zero where ``index[i] < 0``)."""
+SPREAD_MAX_K = 32          # slots per source row the spread kernel takes (one lane each)
+
+
+def _gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor, *,
+                 inverse: torch.Tensor | None = None) -> None:
+    """Launch ``gs_moe_gather_v*``: ``out[i] = src[index[i]]`` (zero where ``index[i] < 0``);
+    given ``inverse`` (int32 ``[src rows, K]``, the rows each source row feeds), the same
+    result from ``gs_moe_spread_v*``, which reads each source row once (NOTE [spread rows])."""
     rows_out = out.shape[0]
     row_bytes = out[0].numel() * out.element_size() if rows_out else 0
     if rows_out == 0 or row_bytes == 0:
         return
     width = vector_width(row_bytes, out.data_ptr(), src.data_ptr())
     vec_per_row = row_bytes // width
+    if inverse is not None and 0 < inverse.shape[1] <= SPREAD_MAX_K and src.shape[0]:
+        args = (ptr(out), ptr(src), ptr(index), ptr(inverse), np.int32(inverse.shape[1]),
+                np.int64(rows_out), np.int64(vec_per_row), np.int64(src.shape[0]))
+        launch("moe_dispatch", f"gs_moe_spread_v{width}",
+               -(-max(rows_out, src.shape[0]) // _WARPS), out.device.index, args)
+        return
     args = (ptr(out), ptr(src), ptr(index), np.int64(rows_out), np.int64(vec_per_row),
             np.int64(src.shape[0]))
     launch("moe_dispatch", f"gs_moe_gather_v{width}", _blocks(rows_out * vec_per_row),

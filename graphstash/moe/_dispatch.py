@@ -377,7 +377,9 @@ def _tokens_to_rows(x: torch.Tensor, plan: RoutingPlan, ops) -> torch.Tensor:
     """Tokens ``[T, H]`` -> permuted rows ``[R, H]``: each row a copy of its token (zero for
     padding and unused rows). The adjoint of :func:`_rows_to_tokens`."""
     stage = x.new_empty(plan.stage_rows, x.shape[1])
-    ops.gather_rows(stage, x, plan.token_of_slot)
+    # NOTE [spread rows] (raw_kernels/moe_dispatch.cu): with the inverse map, the kernel reads
+    # each token once instead of once per slot
+    ops.gather_rows(stage, x, plan.token_of_slot, inverse=plan.slot_of_pair)
     return _stage_to_rows(stage, plan, ops)
 
 

@@ -27,13 +27,18 @@ def _rows(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return picked, valid
 
 
-def gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+def gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor, *,
+                inverse: torch.Tensor | None = None) -> None:
     """``out[i] = src[index[i]]`` bitwise, zero where ``index[i] < 0``.
 
     Args:
         out: ``[N, ...]`` destination, same dtype, device and row shape as ``src``.
         src: ``[M, ...]`` source rows.
         index: int32 ``[N]`` source row of each destination row, ``-1`` for none.
+        inverse: int32 ``[M, K]``, the destination rows each source row feeds (``-1``:
+            none), each row with a source exactly once; or None. It changes how the CUDA
+            kernel moves the rows (NOTE [spread rows] in ``raw_kernels/moe_dispatch.cu``),
+            never the result, so the oracle reads ``index`` only.
     """
     picked, valid = _rows(src, index)
     mask = valid.view(-1, *([1] * (src.dim() - 1)))
