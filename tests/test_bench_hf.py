@@ -229,7 +229,7 @@ def test_comparisons_take_the_fastest_hf_run_that_worked():
 
 @pytest.mark.slow
 def test_every_run_compiled_for_real_on_a_tiny_olmoe(gen, capsys):
-    """All seven runs, the compiled ones with ``aot_eager``: each finishes (no compile after
+    """All eight runs, the compiled ones with ``aot_eager``: each finishes (no compile after
     graph_step's warmup: on the CPU the call that would capture refuses one) and trains as HF
     eager does."""
     args = _args()
