@@ -143,13 +143,14 @@ def test_uncompiled_runs_train_alike_and_report_their_figures(gen, capsys):
 
 def test_losses_fall_over_the_steps(gen):
     """The batches repeat one sequence, so the model learns it: a run whose optimizer did not
-    step, or whose gradients did not reach the weights, would not fall."""
+    step, or whose gradients did not reach the weights, would repeat its loss (at the bench's
+    lr, 1e-4, five steps take off about 0.7 %)."""
     one = torch.randint(0, TINY.vocab, (TINY.batch, TINY.seq_len), generator=gen)
     res = hf.run_one(dataclasses.replace(TINY, steps=5), "graphstash + graph_step", CPU,
                      [one] * 5)
     losses = res["losses"]
     assert res["error"] is None
-    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.97 * losses[0], \
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.995 * losses[0], \
         losses
 
 
