@@ -310,6 +310,20 @@ def test_activation_backward_writes_the_forward_output_over_its_gradient(gen, dt
     torch.testing.assert_close(over, want_act, rtol=0, atol=0, equal_nan=True)
 
 
+def test_gather_rows_refuses_an_inverse_map_of_another_shape():
+    """The map gather_rows may take (NOTE [spread rows]) is checked on every backend: the
+    reference (the CPU kernel) refuses what the CUDA launcher refuses, naming the argument."""
+    from graphstash.reference.moe import gather_rows
+
+    src, out = torch.zeros(5, 4), torch.zeros(6, 4)
+    index = torch.tensor([0, 1, -1, 2, 3, 4], dtype=torch.int32)
+    good = torch.tensor([[0], [1], [3], [4], [5]], dtype=torch.int32)
+    gather_rows(out, src, index, inverse=good)
+    for bad in (good[:4], good.long(), good.view(-1), torch.cat([good, good], 1)[:, :1]):
+        with pytest.raises(ValueError, match=r"inverse: expected a contiguous int32 \[5, K\]"):
+            gather_rows(out, src, index, inverse=bad)
+
+
 def test_row_dot_follows_the_kernel_order(gen):
     """NOTE [row dot order]: 8-element blocks dealt to 32 lanes, then a halving tree; the
     result is the exact float64 dot within float32 rounding, for widths below, at and past

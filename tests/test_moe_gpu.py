@@ -92,6 +92,8 @@ def test_spread_equals_the_gather_exactly(gen, dtype, hidden, K):
     ref_ops.gather_rows(outs[1], src, index)
     torch.testing.assert_close(outs[0], outs[1], **EXACT)
     assert (outs[0][index < 0] == 0).all() and (index < 0).any() and (index >= 0).any()
+    with pytest.raises(ValueError, match=r"inverse: expected a contiguous int32 \[97, K\]"):
+        cupy_ops.gather_rows(outs[0], src, index, inverse=inverse[:-1])
 
 
 def test_unaligned_views_use_scalar_path(gen):

@@ -49,6 +49,7 @@ def _gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor, *,
         return
     width = vector_width(row_bytes, out.data_ptr(), src.data_ptr())
     vec_per_row = row_bytes // width
+    _reference.check_inverse(inverse, src)
     if inverse is not None and 0 < inverse.shape[1] <= SPREAD_MAX_K and src.shape[0]:
         args = (ptr(out), ptr(src), ptr(index), ptr(inverse), np.int32(inverse.shape[1]),
                 np.int64(rows_out), np.int64(vec_per_row), np.int64(src.shape[0]))

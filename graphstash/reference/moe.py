@@ -27,6 +27,17 @@ def _rows(src: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return picked, valid
 
 
+def check_inverse(inverse: torch.Tensor | None, src: torch.Tensor) -> None:
+    """ValueError naming ``inverse`` unless it is None or a contiguous int32 ``[src rows, K]``
+    tensor on ``src``'s device (the map :func:`gather_rows` takes)."""
+    if inverse is not None and (inverse.dtype != torch.int32 or inverse.dim() != 2
+                                or inverse.shape[0] != src.shape[0]
+                                or not inverse.is_contiguous() or inverse.device != src.device):
+        raise ValueError(f"inverse: expected a contiguous int32 [{src.shape[0]}, K] tensor on "
+                         f"{src.device} (the rows each source row feeds), got {inverse.dtype} "
+                         f"{tuple(inverse.shape)} on {inverse.device}")
+
+
 def gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor, *,
                 inverse: torch.Tensor | None = None) -> None:
     """``out[i] = src[index[i]]`` bitwise, zero where ``index[i] < 0``.
@@ -38,8 +49,9 @@ def gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor, *,
         inverse: int32 ``[M, K]``, the destination rows each source row feeds (``-1``:
             none), each row with a source exactly once; or None. It changes how the CUDA
             kernel moves the rows (NOTE [spread rows] in ``raw_kernels/moe_dispatch.cu``),
-            never the result, so the oracle reads ``index`` only.
+            never the result, so the oracle reads ``index`` only (and checks its shape).
     """
+    check_inverse(inverse, src)
     picked, valid = _rows(src, index)
     mask = valid.view(-1, *([1] * (src.dim() - 1)))
     out.copy_(torch.where(mask, picked, torch.zeros((), dtype=src.dtype, device=src.device)))
