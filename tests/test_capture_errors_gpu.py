@@ -86,8 +86,7 @@ def test_legacy_stream(gen):
         return h
 
     error = _fail_at_capture(gen, hazard)
-    torch.cuda.synchronize()
-    del side, blocking
+    torch.cuda.synchronize()       # the blocking stream lives until its work is done
     assert error.cause == "legacy_stream", error
     assert "legacy default stream" in str(error) and "torch.cuda.current_stream()" in str(error)
 

@@ -10,7 +10,6 @@ then lost its connection). The two-GPU NCCL variant is in test_graph_multigpu.py
 """
 from __future__ import annotations
 
-import copy
 import os
 import time
 import traceback

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from graphstash.graph import GraphStep, graph_step
 
-from _batches import KINDS, ROWS, WIDTH, Batch, FrozenBatch
+from _batches import KINDS, ROWS, WIDTH, FrozenBatch
 from _batches import make as _make
 from _batches import take as _take
 

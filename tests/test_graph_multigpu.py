@@ -8,7 +8,6 @@ test_graph_ddp.py.
 """
 from __future__ import annotations
 
-import copy
 import os
 import time
 import traceback

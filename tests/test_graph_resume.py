@@ -8,7 +8,6 @@ Data: seeded per test.
 """
 from __future__ import annotations
 
-import copy
 import io
 import warnings
 

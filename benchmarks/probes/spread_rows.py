@@ -59,6 +59,42 @@ def routing_maps(tokens: int, experts: int, topk: int, gen: torch.Generator):
     return index, inverse.view(tokens, topk)
 
 
+def measure(name, tokens, experts, topk, hidden, ffn, gen, reps):
+    """Print one preset's row of the table."""
+    dev = torch.device("cuda")
+    bf16 = torch.bfloat16
+    index, inverse = routing_maps(tokens, experts, topk, gen)
+    rows = index.numel()
+    x = torch.randn(tokens, hidden, device=dev, dtype=bf16)
+    out = torch.empty(rows, hidden, device=dev, dtype=bf16)
+    t_gather = time_us(lambda: OPERATORS.gather_rows(out, x, index), reps)
+    want = out.clone()
+    t_spread = time_us(lambda: OPERATORS.gather_rows(out, x, index, inverse=inverse),
+                       reps)
+    if not torch.equal(out, want):
+        sys.exit(f"{name}: the spread differs from the gather")
+    long_index = index.long()
+    t_select = time_us(lambda: torch.index_select(x, 0, long_index, out=out), reps)
+    t_zero = time_us(out.zero_, reps)
+    live = torch.tensor([rows], dtype=torch.int64, device=dev)
+    pre = torch.randn(rows, 2 * ffn, device=dev, dtype=bf16)
+    weight = torch.rand(rows, device=dev, dtype=bf16)
+    act = torch.empty(rows, ffn, device=dev, dtype=bf16)
+    t_fwd = time_us(lambda: OPERATORS.act_forward(act, pre, weight, live, gated=True),
+                    reps)
+    grad_out = torch.randn(rows, ffn, device=dev, dtype=bf16)
+    grad_pre = torch.empty_like(pre)
+    grad_row = torch.empty(rows, device=dev, dtype=torch.float32)
+    t_bwd = time_us(lambda: OPERATORS.act_backward(grad_pre, grad_row, grad_out, pre, weight,
+                                                   live, gated=True, write_act=True),
+                    reps)
+    fwd_bytes = rows * 3 * ffn * 2              # read [rows, 2 ffn], write [rows, ffn]
+    bwd_bytes = rows * 6 * ffn * 2              # read pre and grad_out, write both back
+    print(f"| {name} | {rows} x {hidden * 2} | {t_gather:.1f} | {t_spread:.1f} | "
+          f"{t_select:.1f} | {t_zero:.1f} | {t_fwd:.1f} ({fwd_bytes / t_fwd / 1e6:.2f}) | "
+          f"{t_bwd:.1f} ({bwd_bytes / t_bwd / 1e6:.2f}) |", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=50, help="timed launches per figure")
@@ -69,45 +105,13 @@ def main(argv=None) -> None:
         sys.exit("spread_rows.py: needs a CUDA GPU")
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    bf16 = torch.bfloat16
     print(f"{torch.cuda.get_device_name()}, bf16, 8192 tokens, {args.reps} launches per figure")
     print("| widths | rows x row bytes | gather us | spread us | index_select us | zero_ us "
           "| act fwd us (TB/s) | act bwd + act us (TB/s) |")
     print("|---|---|---|---|---|---|---|---|")
     for name, tokens, experts, topk, hidden, ffn in PRESETS:
-        index, inverse = routing_maps(tokens, experts, topk, gen)
-        rows = index.numel()
-        x = torch.randn(tokens, hidden, device=dev, dtype=bf16)
-        out = torch.empty(rows, hidden, device=dev, dtype=bf16)
-        t_gather = time_us(lambda: OPERATORS.gather_rows(out, x, index), args.reps)
-        want = out.clone()
-        t_spread = time_us(lambda: OPERATORS.gather_rows(out, x, index, inverse=inverse),
-                           args.reps)
-        if not torch.equal(out, want):
-            sys.exit(f"{name}: the spread differs from the gather")
-        long_index = index.long()
-        t_select = time_us(lambda: torch.index_select(x, 0, long_index, out=out), args.reps)
-        t_zero = time_us(out.zero_, args.reps)
-        del out, want
-        live = torch.tensor([rows], dtype=torch.int64, device=dev)
-        pre = torch.randn(rows, 2 * ffn, device=dev, dtype=bf16)
-        weight = torch.rand(rows, device=dev, dtype=bf16)
-        act = torch.empty(rows, ffn, device=dev, dtype=bf16)
-        t_fwd = time_us(lambda: OPERATORS.act_forward(act, pre, weight, live, gated=True),
-                        args.reps)
-        grad_out = torch.randn(rows, ffn, device=dev, dtype=bf16)
-        grad_pre = torch.empty_like(pre)
-        grad_row = torch.empty(rows, device=dev, dtype=torch.float32)
-        t_bwd = time_us(lambda: OPERATORS.act_backward(grad_pre, grad_row, grad_out, pre, weight,
-                                                       live, gated=True, write_act=True),
-                        args.reps)
-        fwd_bytes = rows * 3 * ffn * 2              # read [rows, 2 ffn], write [rows, ffn]
-        bwd_bytes = rows * 6 * ffn * 2              # read pre and grad_out, write both back
-        print(f"| {name} | {rows} x {hidden * 2} | {t_gather:.1f} | {t_spread:.1f} | "
-              f"{t_select:.1f} | {t_zero:.1f} | {t_fwd:.1f} ({fwd_bytes / t_fwd / 1e6:.2f}) | "
-              f"{t_bwd:.1f} ({bwd_bytes / t_bwd / 1e6:.2f}) |", flush=True)
-        del pre, act, grad_out, grad_pre, x
-        torch.cuda.empty_cache()
+        measure(name, tokens, experts, topk, hidden, ffn, gen, args.reps)
+        torch.cuda.empty_cache()        # the preset's buffers are freed on return
 
 
 if __name__ == "__main__":

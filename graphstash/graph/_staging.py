@@ -336,7 +336,7 @@ def _spec_difference(a, b, path: str) -> str | None:
         what = lambda s: "a tensor or value" if s == _LEAF else f"a {s[1].__qualname__}"  # noqa: E731
         return f"{_shown(path)}: the graph was captured for {what(a)}, " \
                f"got {what(b)}"
-    (ka, ca, la, cha), (kb, cb, lb, chb) = a, b
+    (ka, ca, la, cha), (_, cb, lb, chb) = a, b
     where = _shown(path)
     if ca is not cb:
         return f"{where}: the graph was captured for a {ca.__qualname__}, got a {cb.__qualname__}"

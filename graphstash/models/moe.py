@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import normalize_device
-from ..moe import moe_layer
+from ..moe import budget_rows, moe_layer
 from .plain import plain_moe
 
 MODES = ("dropless", "budget", "stash", "plain")

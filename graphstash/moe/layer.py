@@ -81,7 +81,7 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
     manager = _stash_manager(stash)
     if capacity_factor is not None:
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
-            raise ValueError(f"topk_idx: expected an int32 or int64 [T, K] tensor, got "
+            raise ValueError("topk_idx: expected an int32 or int64 [T, K] tensor, got "
                              + (describe(topk_idx) if isinstance(topk_idx, torch.Tensor)
                                 else type(topk_idx).__name__))
         world = 1

@@ -269,15 +269,7 @@ def run_one(c: HFBenchConfig, name: str, device, data: list, *,
                                 capturable=on_gpu and spec.graphed)
         kwargs = compile_arguments(spec.compile, compile_kwargs)
         runs = model if kwargs is None else torch.compile(model, **kwargs)
-        new_graphs_step = spec.compile == "reduce-overhead"
-
-        def forward_backward(ids):
-            if new_graphs_step:         # one training iteration per call of the graphs
-                torch.compiler.cudagraph_mark_step_begin()
-            loss = runs(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-            return loss.detach()
-
+        forward_backward = lm_forward_backward(runs, spec.compile == "reduce-overhead")
         if spec.graphed:
             step = graphstash.graph_step(forward_backward, optimizer=opt, warmup=WARMUP,
                                          device=meter.device)
@@ -287,11 +279,10 @@ def run_one(c: HFBenchConfig, name: str, device, data: list, *,
         meter.reset_peak()      # the peak of the steps, not of the initialisation
         with quiet_cpu_graph_step(on_gpu):
             for i, ids in enumerate(data):
-                out = []
-                ms = meter.wall_ms(lambda: out.append(step(ids)))
+                ms, loss = meter.timed_call(step, ids)
                 if i > WARMUP:  # after the warmup and the capture (eager runs: the same steps)
                     times.append(ms)
-                result["losses"].append(float(out[0]))
+                result["losses"].append(float(loss))
     except Exception as exc:            # reported in the table; the next run goes on
         result["error"] = failures.describe(exc)
     if result["error"] is None:
@@ -314,6 +305,20 @@ def run_one(c: HFBenchConfig, name: str, device, data: list, *,
     del model, opt, step, runs, forward_backward   # freed before the next run is built
     meter.settle()
     return result
+
+
+def lm_forward_backward(model, mark_step: bool):
+    """A step body for a causal LM: ``model``'s loss on ``ids`` (int64 ``[batch, seq]`` on the
+    model's device) as its own labels, backward, and the detached loss; ``mark_step`` marks
+    each call as one iteration of torch's own CUDA graphs (``mode="reduce-overhead"``)."""
+    def forward_backward(ids):
+        if mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach()
+
+    return forward_backward
 
 
 def max_rel_diff(losses: list, reference: list):

@@ -76,3 +76,11 @@ class DeviceMeter:
         fn()
         self.sync()
         return 1e3 * (time.perf_counter() - start)
+
+    def timed_call(self, fn: Callable[..., object], *args) -> tuple[float, object]:
+        """``fn(*args)`` timed as :meth:`wall_ms` times it: (milliseconds, what it returned)."""
+        self.sync()
+        start = time.perf_counter()
+        out = fn(*args)
+        self.sync()
+        return 1e3 * (time.perf_counter() - start), out

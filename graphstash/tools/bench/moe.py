@@ -284,10 +284,7 @@ def run_mode(mode: str, config: MoEConfig, group, device, batches: list, steps: 
                           graphed=graphed, seed=0, lr=1e-4, stash=stash, group=group,
                           compile_kwargs=compile_kwargs)
     one, step = run_.step, run_.graph
-    counter = iter(range(1 << 30))
-
-    def next_step():
-        return one(*batches[next(counter) % len(batches)])
+    next_step = cycling(one, batches)
 
     with training.quiet_cpu_graph_step(meter.on_gpu):
         with count_exchange(group) as sent:
@@ -460,3 +457,14 @@ def run(quick: bool = False, args=None, *, device=None, compile_kwargs: dict | N
         out[name] = {"config": dataclasses.asdict(config), "results": results,
                      "best_peer": peer}
     return out
+
+
+def cycling(step, batches: list):
+    """A call without arguments that runs ``step`` on the next of ``batches`` (tuples of its
+    arguments), from the first, round and round."""
+    counter = iter(range(1 << 62))
+
+    def next_step():
+        return step(*batches[next(counter) % len(batches)])
+
+    return next_step

@@ -72,6 +72,25 @@ def _time(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+def _premise(block: torch.nn.Module, x: torch.Tensor, iters: int):
+    """Milliseconds of one forward-backward of ``block`` on ``x`` (a float32 CUDA tensor), of
+    copying its saved tensors' bytes to pinned host memory and back, and those bytes; the
+    probe's buffers are freed on return."""
+    probe = (x * 1).requires_grad_()
+    saved = _saved_bytes(block, probe)
+
+    def block_step():
+        block(probe).pow(2).mean().backward()
+
+    block_step()
+    compute_ms = _time(block_step, iters)
+    host = torch.empty(saved // 4, dtype=torch.float32, pin_memory=True)
+    dev = torch.empty(saved // 4, dtype=torch.float32, device="cuda")
+    d2h_ms = _time(lambda: host.copy_(dev, non_blocking=True), iters)
+    h2d_ms = _time(lambda: dev.copy_(host, non_blocking=True), iters)
+    return compute_ms, d2h_ms, h2d_ms, saved
+
+
 def _saved_bytes(block, x) -> int:
     """Bytes of the distinct device storages ``block``'s forward saves (each storage once, whole;
     parameters and their views left out)."""
@@ -109,19 +128,7 @@ def run(quick: bool = False) -> dict:
     x = torch.randn(batch, seq, width, device="cuda")
 
     # the premise: one block's compute vs moving its saved tensors over PCIe
-    probe = (x * 1).requires_grad_()
-    saved = _saved_bytes(blocks[0], probe)
-
-    def block_step():
-        blocks[0](probe).pow(2).mean().backward()
-
-    block_step()
-    compute_ms = _time(block_step, iters)
-    host = torch.empty(saved // 4, dtype=torch.float32, pin_memory=True)
-    dev = torch.empty(saved // 4, dtype=torch.float32, device="cuda")
-    d2h_ms = _time(lambda: host.copy_(dev, non_blocking=True), iters)
-    h2d_ms = _time(lambda: dev.copy_(host, non_blocking=True), iters)
-    del host, dev, probe
+    compute_ms, d2h_ms, h2d_ms, saved = _premise(blocks[0], x, iters)
     blocks.zero_grad(set_to_none=True)
 
     tools = {
