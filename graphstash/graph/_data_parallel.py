@@ -17,10 +17,19 @@ ask:
    ``static_graph=True`` (which does it once). graph_step refuses that combination with a
    ValueError saying what to set;
 3. the gradient accumulators' stream: DDP creates them when it is constructed, on the stream
-   current then, and the backward syncs each accumulator's stream with the capturing one. Built
-   on the default (legacy) stream, that sync cannot be captured ("operation not permitted when
-   stream is capturing"). graph_step cannot see or change that stream: DDP must be constructed
-   on a side stream (README, "Data parallel"), and a capture that fails with DDP present says so.
+   current then, and the backward runs each accumulator on its stream, synced with the
+   capturing one. Built on the default (legacy) stream, as users build it, that sync cannot be
+   captured ("work on the legacy default stream"; measured on two H100s: the capture fails at
+   ``loss.backward()`` after the 11 warmups). torch's CUDA-graph notes ask for DDP to be
+   constructed on a side stream; graph_step does that itself, before the warmup: it rebuilds
+   the reducer as DDP's own ``__setstate__`` does (``_build_params_for_reducer``,
+   ``_ddp_init_helper``, static graph again), on a side stream, after dropping the old reducer
+   so that the parameters' accumulators are made anew there (:func:`rebuild_on_side_stream`).
+   Nothing else changes: the same buckets, parameters and hooks, and the 11 warmups after it.
+   A DDP with a communication hook or mixed precision (state bound to the old reducer) is left
+   as it is, and a capture that fails with it says to build it on a side stream; so does one
+   whose accumulators something else keeps alive (checked: a mark on the old accumulator must
+   not be on the new one).
 
 graph_step finds the DDP modules among live objects (one scan with ``gc.get_objects()`` at the
 first call, only when ``torch.distributed`` is initialised): those whose parameters include the
@@ -64,6 +73,51 @@ def check_ddp(ddp) -> None:
             "static_graph=True (the search runs once), or find_unused_parameters=False")
 
 
+_MARK = "graphstash.ddp_accumulator_before_rebuild"
+
+
+def _accumulators(ddp):
+    """The gradient accumulator node of each parameter of ``ddp`` that requires grad."""
+    return [p.view_as(p).grad_fn.next_functions[0][0]
+            for p in ddp.module.parameters() if p.requires_grad]
+
+
+def rebuild_on_side_stream(ddp, stream) -> str | None:
+    """Rebuild ``ddp``'s reducer on ``stream`` so that its gradient accumulators are made there
+    (NOTE [DDP] item 3). Returns None when done, else why it was left as it was."""
+    if getattr(ddp, "_comm_hooks", None) or getattr(ddp, "mixed_precision", None) is not None \
+            or getattr(ddp, "_use_python_reducer", False):
+        return "it has a communication hook, mixed precision or the Python reducer"
+    needed = ("_build_params_for_reducer", "_build_debug_param_to_name_mapping",
+              "_ddp_init_helper", "reducer", "logger", "static_graph")
+    if not all(hasattr(ddp, name) for name in needed):
+        return "this torch's DistributedDataParallel has no reducer rebuild"
+    nodes = _accumulators(ddp)
+    if not nodes:
+        return None
+    for node in nodes:
+        node.metadata[_MARK] = True
+    del nodes, node
+    static = bool(ddp.static_graph)
+    current = torch.cuda.current_stream()
+    stream.wait_stream(current)
+    ddp.reducer = ddp.logger = None     # the old reducer and its accumulators go here
+    with torch.cuda.stream(stream):
+        parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
+        names = ddp._build_debug_param_to_name_mapping(parameters)
+        ddp._ddp_init_helper(parameters, expect_sparse_gradient, names, static)
+        if static:
+            ddp.reducer._set_static_graph()
+            ddp.logger._set_static_graph()
+        remade = _accumulators(ddp)
+    current.wait_stream(stream)
+    if any(_MARK in node.metadata for node in remade):
+        return ("something besides DDP keeps the parameters' gradient accumulators alive (an "
+                "autograd graph of an earlier forward?), so they stay on the stream DDP was "
+                "built on")
+    return None
+
+
 def quiet_sampling(ddp) -> None:
     """Keep the reducer from timing (and reading back) sampled iterations after its first 10
     (NOTE [DDP] item 1); a no-op where torch does not offer it."""
@@ -72,4 +126,4 @@ def quiet_sampling(ddp) -> None:
         setter(_SAMPLE_RATE)
 
 
-__all__ = ["DDP_WARMUP", "find_ddp", "check_ddp", "quiet_sampling"]
+__all__ = ["DDP_WARMUP", "find_ddp", "check_ddp", "quiet_sampling", "rebuild_on_side_stream"]

@@ -31,7 +31,8 @@ from ..status import StepStatus
 from . import _staging as S
 from . import capture_errors, capture_memory, compile_guard, failed_capture
 from ._binding import CapturedState, step_running
-from ._data_parallel import DDP_WARMUP, check_ddp, find_ddp, quiet_sampling
+from ._data_parallel import (DDP_WARMUP, check_ddp, find_ddp, quiet_sampling,
+                             rebuild_on_side_stream)
 from ._options import StepOptions, keyword_signature
 from ._schedule import ScheduledHyperparameters
 from ._update import DeviceUpdate, check_optimizer, has_state
@@ -274,6 +275,7 @@ class GraphStep:
         self._eager_done = 0
         self._warmup_steps = opts.warmup
         self._ddp: tuple = ()
+        self._ddp_stream = None          # where DDP's reducer is rebuilt (NOTE [DDP] item 3)
         self._released = False
         self._ready = False
         self._warned_eager = False
@@ -411,6 +413,15 @@ class GraphStep:
             check_ddp(ddp)
             if self.graphed:
                 quiet_sampling(ddp)
+                if self._ddp_stream is None:
+                    self._ddp_stream = torch.cuda.Stream()
+                why = rebuild_on_side_stream(ddp, self._ddp_stream)
+                if why is not None:
+                    self._say_once("ddp_stream", f"graphstash.graph_step({self._name}): the "
+                                   f"DistributedDataParallel module was left as it was built "
+                                   f"({why}); if it was built on the default stream, the "
+                                   "capture will fail: construct it inside `with "
+                                   "torch.cuda.stream(torch.cuda.Stream()):` (NOTE [DDP])")
         self._ddp = found
         if found and self._warmup_steps < DDP_WARMUP:
             self._warmup_steps = DDP_WARMUP
@@ -984,7 +995,7 @@ class GraphStep:
             if isinstance(exc, (_StepCalledError, _NeverRanError)):
                 raise                                   # the same error as eagerly
             message, cause = capture_errors.describe(exc, self._name)
-            if self._ddp and cause == "host_sync":
+            if self._ddp and cause in ("host_sync", "legacy_stream"):
                 message += " " + _DDP_HINT[0].upper() + _DDP_HINT[1:] + "."
             raise CaptureError(message, cause=cause) from exc
         current.wait_stream(stream)
