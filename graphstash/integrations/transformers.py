@@ -104,7 +104,7 @@ class ExpertsSettings:
     world_size: int = 1
     first_expert: int = 0
     name: str = "experts"
-    exchange: object = None          # the live-row exchange's Transport (None: NCCL chunks)
+    exchange: object = None          # a Transport, or a GroupExchange (None: NCCL chunks)
 
 
 _DEFAULTS = ExpertsSettings()
@@ -270,11 +270,13 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
             ``dispatch(group=...)``; every rank must pass the same number of tokens per step.
             The other parameters stay replicated: all-reduce their gradients as usual (DDP).
         exchange: with ``group``, how tokens travel: ``"auto"`` builds the live-row exchange
-            (:func:`graphstash.moe.exchange.build_transport`, a collective) when
-            ``num_tokens`` is given and a transport can be built here, else NCCL's fixed
-            chunks; a :class:`~graphstash.moe.exchange.Transport` to use it; None for chunks.
+            at the first forward, where the model then runs, and again after a move
+            (:class:`graphstash.moe.exchange.GroupExchange`, a collective every rank meets
+            at that forward), or keeps NCCL's fixed chunks where none can be built; a
+            :class:`~graphstash.moe.exchange.Transport` to use it; None for chunks.
         num_tokens: tokens per rank per step (``batch x seq``), to size the exchange's
-            receive region (``max(budget, num_tokens x top_k)`` rows of the experts' width).
+            receive region (:func:`graphstash.moe.exchange.receive_rows`); None: the most
+            tokens any rank brings to the first forward.
 
     Returns the names of the experts modules configured. Raises ValueError when ``model`` has no
     experts module, uses another experts implementation, or has experts the backend does not
@@ -314,8 +316,8 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
     if num_tokens is not None:
         require_positive_int("num_tokens", num_tokens)
     transport = None
-    if world > 1 and exchange == "auto" and num_tokens is not None:
-        transport = _build_exchange(model, modules, capacity_factor, group, world, num_tokens)
+    if world > 1 and exchange == "auto":
+        transport = _group_exchange(model, modules, capacity_factor, group, num_tokens)
     elif world > 1 and exchange not in (None, "auto"):
         from ..moe.exchange import Transport
 
@@ -334,14 +336,12 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
     return [name for name, _ in modules]
 
 
-def _build_exchange(model: nn.Module, modules, capacity_factor: float, group, world: int,
-                    num_tokens: int):
-    """The live-row exchange shared by every experts module of ``model`` (a collective), or
-    None, with a warning, where none can be built (NCCL's fixed chunks then)."""
-    import warnings
-
-    from ..moe import budget_rows
-    from ..moe.exchange import build_transport
+def _group_exchange(model: nn.Module, modules, capacity_factor: float, group,
+                    num_tokens: int | None):
+    """The live-row exchange every experts module of ``model`` shares, built at the first
+    forward where the model then runs (NOTE [exchange built where it runs] in
+    ``graphstash/moe/exchange/factory.py``)."""
+    from ..moe.exchange import GroupExchange
 
     config = getattr(model, "config", None)
     top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k", None)
@@ -349,17 +349,18 @@ def _build_exchange(model: nn.Module, modules, capacity_factor: float, group, wo
         raise ValueError("model: its config names no num_experts_per_tok; pass exchange=None "
                          "(NCCL chunks) or a Transport built for it")
     E = max(m.num_experts for _, m in modules)
-    w1 = getattr(modules[0][1], _first_weight_name(modules[0][1]))
-    budget = budget_rows(num_tokens * world, top_k, E, capacity_factor=capacity_factor,
-                         world_size=world)
-    try:
-        return build_transport(group, capacity_rows=max(budget, num_tokens * top_k),
-                               row_bytes=w1.shape[-1] * w1.element_size(), max_experts=E,
-                               device=w1.device)
-    except ValueError as exc:
-        warnings.warn(f"configure: no live-row exchange here ({exc}); the experts' tokens travel "
-                      "in NCCL's fixed chunks", RuntimeWarning, stacklevel=3)
-        return None
+    return GroupExchange(group, topk=top_k, num_experts=E, capacity_factor=capacity_factor,
+                         num_tokens=num_tokens, owner="configure")
+
+
+def exchange_transport(exchange, x: torch.Tensor):
+    """The Transport the rows of ``x`` (``[T, hidden]`` on this rank's device) travel through:
+    ``exchange`` itself, or the one a GroupExchange builds for them; None: NCCL chunks."""
+    from ..moe.exchange import GroupExchange
+
+    if isinstance(exchange, GroupExchange):
+        return exchange.transport_for(x)
+    return exchange
 
 
 def _warn_bincount_aux_loss(model: nn.Module) -> None:
@@ -474,5 +475,5 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     # current manager's, when stash=True and one is current), expert MLP, unweighted combine
     out = moe_layer(x, top_k_index, weights, w1, w2, E, gated=self.has_gate,
                     capacity_factor=factor, group=settings.group, stash=settings.stash,
-                    name=settings.name, exchange=settings.exchange)
+                    name=settings.name, exchange=exchange_transport(settings.exchange, x))
     return out.to(hidden_states.dtype)

@@ -25,15 +25,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import normalize_device
-from ..moe import budget_rows, moe_layer
+from ..moe import moe_layer
 from .plain import plain_moe
 
 MODES = ("dropless", "budget", "stash", "plain")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """Sizes of :class:`MoEModel`; ``num_tokens`` is the tokens of one step on one rank."""
+    """Sizes of :class:`MoEModel`; ``num_tokens`` is the tokens of one step on one rank.
+
+    Frozen: a model holds its config, so a field cannot change under it; derive another with
+    ``dataclasses.replace(config, heads=8)`` (validated again) or :func:`preset`."""
     hidden: int = 256
     ffn: int = 512
     num_experts: int = 8
@@ -188,32 +191,6 @@ class MoEBlock(nn.Module):
                              exchange=exchange)
 
 
-def exchange_for(config: MoEConfig, group, device, dtype):
-    """The live-row exchange transport of a model of ``config`` over ``group`` (a
-    collective), sized for this rank's budget and pairs and rows of ``dtype`` (float32 when
-    None, so a later ``.to(bfloat16)`` fits); None, with a warning, where no transport can be
-    built (the dispatch then keeps NCCL's fixed chunks)."""
-    import warnings
-
-    import torch.distributed as dist
-
-    from ..moe.exchange import build_transport
-
-    world = dist.get_world_size(group)
-    budget = budget_rows(config.num_tokens * world, config.topk, config.num_experts,
-                         capacity_factor=config.capacity_factor,
-                         pad_multiple=config.pad_multiple, world_size=world)
-    element = torch.empty((), dtype=dtype or torch.float32).element_size()
-    try:
-        return build_transport(group, capacity_rows=max(budget, config.num_tokens * config.topk),
-                               row_bytes=config.hidden * element,
-                               max_experts=config.num_experts, device=device)
-    except ValueError as exc:
-        warnings.warn(f"MoEModel: no live-row exchange here ({exc}); the dispatch sends NCCL's "
-                      "fixed chunks", RuntimeWarning, stacklevel=3)
-        return None
-
-
 class MoEModel(nn.Module):
     """``layers`` MoE blocks over ``[num_tokens, hidden]`` tokens.
 
@@ -223,9 +200,10 @@ class MoEModel(nn.Module):
             docstring).
         group: ``torch.distributed`` group for expert parallelism (``None``: one device).
         exchange: how tokens travel under ``group``: ``"auto"`` (default) builds the live-row
-            exchange's transport here (:func:`graphstash.moe.exchange.build_transport`:
-            symmetric memory, CUDA IPC on one GPU, gloo on the CPU; a collective) and keeps
-            NCCL's fixed chunks where none can be built; a
+            exchange's transport at the first forward, on the device and dtype the model then
+            has, and again after a move (:class:`graphstash.moe.exchange.GroupExchange`:
+            symmetric memory, CUDA IPC on one GPU, gloo on the CPU; a collective every rank
+            meets at that forward), and keeps NCCL's fixed chunks where none can be built; a
             :class:`~graphstash.moe.exchange.Transport` to use that one (its ranks are the
             model's; ``group`` may then be None, as for in-process ranks); None for the
             chunks. :attr:`exchange_kind` says which runs.
@@ -266,8 +244,14 @@ class MoEModel(nn.Module):
                             f"{type(dtype).__name__} {dtype!r}")
         if dtype is not None and not dtype.is_floating_point:
             raise TypeError(f"dtype: expected a floating torch.dtype, got {dtype}")
+        config.__post_init__()        # validated again (a config is frozen, not unbreakable)
         world, rank = 1, 0
         if exchange not in (None, "auto"):              # a transport: its ranks (in-process too)
+            from ..moe.exchange import Transport
+
+            if not isinstance(exchange, Transport):
+                raise TypeError(f"exchange: expected 'auto', None or a graphstash.moe.exchange."
+                                f"Transport, got {type(exchange).__name__}")
             world, rank = exchange.world_size, exchange.rank
         elif group is not None:
             import torch.distributed as dist
@@ -290,24 +274,58 @@ class MoEModel(nn.Module):
                                         for _ in range(config.layers))
         self.norm = nn.RMSNorm(config.hidden, device=device, dtype=dtype)
         self.to(device=device, dtype=dtype)          # attention's modules, made on the CPU
-        self.exchange = None
+        self._transport = None            # a Transport given by the caller
+        self._group_exchange = None       # or one built where the model runs
         if exchange not in (None, "auto"):
             if mode == "plain":
                 raise ValueError("exchange: the plain peer sends its rows with all_to_all; "
                                  "pass exchange=None (or 'auto') with mode='plain'")
-            self.exchange = exchange
+            self._transport = exchange
         elif group is not None and mode != "plain" and exchange == "auto":
-            self.exchange = exchange_for(config, group, device, dtype)
+            from ..moe.exchange import GroupExchange
+
+            self._group_exchange = GroupExchange(
+                group, topk=config.topk, num_experts=config.num_experts,
+                capacity_factor=config.capacity_factor, pad_multiple=config.pad_multiple,
+                num_tokens=config.num_tokens, owner="MoEModel")
+        self._warned_unstashed = False
+
+    def expert_parameters(self):
+        """This rank's expert weights (``w1`` and ``w2`` of every block): under expert
+        parallelism each rank holds its own slice, and the exchange brings it the gradients of
+        every rank's tokens."""
+        for block in self.blocks:
+            yield block.w1
+            yield block.w2
+
+    def replicated_parameters(self):
+        """Every parameter but the experts' (routers, norms, attention): the same on every
+        rank of ``group``, so a training step sums their gradients over the ranks
+        (``dist.all_reduce(p.grad)``), as data parallelism does."""
+        experts = {id(p) for p in self.expert_parameters()}
+        for p in self.parameters():
+            if id(p) not in experts:
+                yield p
+
+    @property
+    def exchange(self):
+        """The :class:`~graphstash.moe.exchange.Transport` the experts' rows travel through
+        (None: one device, NCCL's chunks, or not built before the first forward)."""
+        if self._transport is not None:
+            return self._transport
+        return None if self._group_exchange is None else self._group_exchange.transport
 
     @property
     def exchange_kind(self) -> str:
         """Which expert-parallel exchange runs: ``"one device"``, ``"nccl chunks"``, or the
         live-row exchange's transport (``"live rows over ipc"``, ``"... symmetric"``, ...)."""
-        if self.group is None and self.exchange is None:
+        if self._transport is not None:
+            return f"live rows over {self._transport.kind}"
+        if self._group_exchange is not None:
+            return self._group_exchange.kind
+        if self.group is None:
             return "one device"
-        if self.exchange is None:
-            return "nccl chunks" if self.mode != "plain" else "all_to_all (plain peer)"
-        return f"live rows over {self.exchange.kind}"
+        return "nccl chunks" if self.mode != "plain" else "all_to_all (plain peer)"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run every block over ``x`` (``[num_tokens, hidden]``, the model's device and dtype); same shape out."""
@@ -327,7 +345,29 @@ class MoEModel(nn.Module):
         if self.config.attention and x.shape[0] % self.config.seq_len:
             raise ValueError(f"x: with attention, num_tokens must be a multiple of "
                              f"seq_len={self.config.seq_len}, got {x.shape[0]}")
+        exchange = self._transport
+        if self._group_exchange is not None:       # NOTE [exchange built where it runs]
+            exchange = self._group_exchange.transport_for(x)
+        if self.mode == "stash" and self.stash_manager is None:
+            self._warn_unstashed()
         for block in self.blocks:
             x = block(x, mode=self.mode, group=self.group, stash_manager=self.stash_manager,
-                      status=self.status, exchange=self.exchange)
+                      status=self.status, exchange=exchange)
         return self.norm(x)
+
+    def _warn_unstashed(self) -> None:
+        """Say once that ``mode="stash"`` runs unstashed when no StashManager is current."""
+        if self._warned_unstashed or not torch.is_grad_enabled() or \
+                torch.compiler.is_compiling():
+            return
+        from ..stash import current_manager
+
+        if current_manager() is None:
+            import warnings
+
+            self._warned_unstashed = True
+            warnings.warn("MoEModel(mode='stash'): no StashManager is current (no graph_step("
+                          "stash=...) running, no `with manager:`, no stash_manager=), so the "
+                          "experts' activations are kept whole, as in mode='budget'; run the "
+                          "step under graph_step(stash=graphstash.StashConfig()) or pass "
+                          "stash_manager=", RuntimeWarning, stacklevel=3)

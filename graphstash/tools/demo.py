@@ -89,7 +89,7 @@ def _config(size: str, on_gpu: bool, hidden: int | None) -> MoEConfig:
         size = "medium" if on_gpu else "tiny"
     config = dataclasses.replace(SIZES[size])
     if hidden is not None:
-        config.hidden, config.ffn = hidden, 2 * hidden
+        config = dataclasses.replace(config, hidden=hidden, ffn=2 * hidden)
     return config
 
 

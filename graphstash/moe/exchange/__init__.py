@@ -7,8 +7,9 @@ receiver's region (NOTE [live-row exchange layout]); dispatch and combine are ea
 backward (NOTE [receive buffer lifetime]). Build a transport once, before any capture, and
 pass it to :func:`graphstash.moe.dispatch` as ``exchange=``::
 
-    transport = build_transport(group, capacity_rows=max(budget, tokens * topk),
-                                row_bytes=hidden * x.element_size(), max_experts=E)
+    transport = build_transport(group, capacity_rows=receive_rows(tokens, topk, E, world_size=W,
+                                capacity_factor=1.25), row_bytes=hidden * x.element_size(),
+                                max_experts=E)
     permuted, counts, handle = dispatch(x, idx, w, E, budget=budget, exchange=transport)
     y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), gated=True)
     out = combine(y, handle, weighted=False)
@@ -18,6 +19,7 @@ Nothing here touches the GPU at import time.
 """
 from .autograd import exchange_combine, exchange_dispatch
 from .build import build_transport, describe_exchange, transport_kind
+from .factory import GroupExchange, receive_rows
 from .gloo import GlooTransport, build_gloo_transport
 from .ipc import build_ipc_transport
 from .local import build_local_transports
@@ -25,7 +27,8 @@ from .plan import ExchangePlan, plan_exchange
 from .symmetric import build_symmetric_transport
 from .transport import DEFAULT_TIMEOUT_S, PeerTransport, Transport
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ExchangePlan", "GlooTransport", "PeerTransport", "Transport",
+__all__ = ["DEFAULT_TIMEOUT_S", "ExchangePlan", "GlooTransport", "GroupExchange", "PeerTransport",
+           "Transport",
            "build_gloo_transport", "build_ipc_transport", "build_local_transports",
            "build_symmetric_transport", "build_transport", "describe_exchange", "exchange_combine",
-           "exchange_dispatch", "plan_exchange", "transport_kind"]
+           "exchange_dispatch", "plan_exchange", "receive_rows", "transport_kind"]

@@ -32,7 +32,7 @@ import torch
 
 from ...graph import graph_step
 from ...models import MoEConfig, MoEModel
-from ...moe import budget_rows
+from ...moe.exchange import receive_rows
 from ..training import WARMUP, TrainingRun, eager_step, forward_backward_of
 
 ROWS = ("eager peer", "nccl chunks", "worst-case buffers", "live rows", "live rows + stash")
@@ -88,11 +88,10 @@ def transport_sizes(row: str, config: MoEConfig, world_size: int, dtype: torch.d
     if row not in TRANSPORT_ROWS:
         raise ValueError(f"row: expected one of {TRANSPORT_ROWS}, got {row!r}")
     c = row_config(row, config, world_size)
-    budget = budget_rows(c.num_tokens * world_size, c.topk, c.num_experts,
-                         capacity_factor=c.capacity_factor, pad_multiple=c.pad_multiple,
-                         world_size=world_size)
     element = torch.empty((), dtype=dtype).element_size()
-    return {"capacity_rows": max(budget, c.num_tokens * c.topk),
+    rows = receive_rows(c.num_tokens, c.topk, c.num_experts, world_size=world_size,
+                        capacity_factor=c.capacity_factor, pad_multiple=c.pad_multiple)
+    return {"capacity_rows": rows,
             "row_bytes": c.hidden * element, "max_experts": c.num_experts}
 
 

@@ -1,0 +1,133 @@
+"""The one place that sizes an expert-parallel exchange and builds it where it runs.
+
+NOTE [exchange sizing]: a rank's region receives, in dispatch, at most its budget
+(:func:`~graphstash.moe.budget_rows` over the tokens of the whole group, padding included)
+and, in combine, every row it sent: its own ``tokens x topk`` pairs. So the region holds
+``max(budget, tokens x topk)`` rows of the widest row it carries. :func:`receive_rows` is that
+formula; the reference model, the transformers backend and the bench all size through it.
+
+NOTE [exchange built where it runs]: PyTorch users build a model, then move it
+(``MoEModel(config, group=g).to("cuda", torch.bfloat16)``), so the device and the row width a
+transport needs are known only when the first tokens arrive. :class:`GroupExchange` builds the
+transport then, on the tokens' device for their dtype, and again whenever a later forward
+brings another device or a wider row (a collective, which every rank meets at the same
+forward, since every rank moves its model the same way). Building is refused while a CUDA
+graph captures: the first forward runs eagerly (graph_step's warmup does). Where no transport
+can be built (ranks on several hosts), it warns once and the dispatch sends NCCL's fixed
+chunks.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..._checks import forbid_capture, require_positive_int
+from .. import budget_rows
+from .build import build_transport
+from .transport import DEFAULT_TIMEOUT_S, Transport
+
+__all__ = ["GroupExchange", "receive_rows"]
+
+
+def receive_rows(num_tokens: int, topk: int, num_experts: int, *, world_size: int,
+                 capacity_factor: float, pad_multiple: int | None = None) -> int:
+    """Rows one rank's region must hold (NOTE [exchange sizing]): the budget of a rank that
+    receives ``capacity_factor`` x the average rows, or the ``num_tokens x topk`` rows it
+    sends, whichever is more. ``num_tokens`` counts one rank's tokens.
+
+    Example: ``receive_rows(8192, 8, 128, world_size=2, capacity_factor=1.25)`` is 81920.
+    """
+    require_positive_int("num_tokens", num_tokens)
+    budget = budget_rows(num_tokens * world_size, topk, num_experts,
+                         capacity_factor=capacity_factor, pad_multiple=pad_multiple,
+                         world_size=world_size)
+    return max(budget, num_tokens * topk)
+
+
+class GroupExchange:
+    """The live-row transport of one expert-parallel group, built at the first forward on the
+    tokens' device and dtype, rebuilt when they change (NOTE [exchange built where it runs]).
+
+    Args:
+        group: the ``torch.distributed`` group of the expert-parallel ranks.
+        topk, num_experts: the routing's slots per token and experts over all ranks.
+        capacity_factor, pad_multiple: the dispatch budget's (:func:`receive_rows`).
+        num_tokens: one rank's tokens per step; None: the most any rank brings to the forward
+            that builds the transport.
+        owner: who builds it, for warnings (``"MoEModel"``, ``"configure"``).
+        timeout_s: the transport's wait for a peer.
+    """
+
+    def __init__(self, group, *, topk: int, num_experts: int, capacity_factor: float,
+                 pad_multiple: int | None = None, num_tokens: int | None = None,
+                 owner: str = "the exchange", timeout_s: float = DEFAULT_TIMEOUT_S):
+        import torch.distributed as dist
+
+        require_positive_int("topk", topk)
+        require_positive_int("num_experts", num_experts)
+        if num_tokens is not None:
+            require_positive_int("num_tokens", num_tokens)
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.topk, self.num_experts = topk, num_experts
+        self.capacity_factor, self.pad_multiple = capacity_factor, pad_multiple
+        self.num_tokens = num_tokens
+        self.owner = owner
+        self.timeout_s = timeout_s
+        self.transport: Transport | None = None
+        self._unavailable: tuple | None = None      # (device, row_bytes) that found none
+
+    @property
+    def kind(self) -> str:
+        """``"live rows over <transport>"``, ``"nccl chunks"`` where none could be built, or
+        ``"live rows (built at the first forward)"``."""
+        if self.transport is not None:
+            return f"live rows over {self.transport.kind}"
+        if self._unavailable is not None:
+            return "nccl chunks"
+        return "live rows (built at the first forward)"
+
+    def transport_for(self, x: torch.Tensor) -> Transport | None:
+        """The transport for tokens like ``x`` (``[T, hidden]`` on this rank's device), built
+        or rebuilt here if it does not fit them (a collective); None: NCCL chunks."""
+        row_bytes = x.shape[1] * x.element_size()
+        t = self.transport
+        if t is not None and not t.closed and t.device == x.device and t.row_bytes >= row_bytes:
+            return t
+        if self._unavailable == (x.device, row_bytes):
+            return None
+        forbid_capture(f"{self.owner}: building the live-row exchange for tokens on "
+                       f"{x.device} ({x.dtype}) (a collective; the first forward on a device "
+                       f"or dtype must run eagerly, as graph_step's warmup does)")
+        if t is not None:
+            t.close()
+            self.transport = None
+        tokens = self.num_tokens
+        if tokens is None:
+            import torch.distributed as dist
+
+            seen = [None] * self.world_size
+            dist.all_gather_object(seen, int(x.shape[0]), group=self.group)
+            tokens = max(max(seen), 1)
+        rows = receive_rows(tokens, self.topk, self.num_experts, world_size=self.world_size,
+                            capacity_factor=self.capacity_factor,
+                            pad_multiple=self.pad_multiple)
+        try:
+            self.transport = build_transport(self.group, capacity_rows=rows,
+                                             row_bytes=row_bytes, max_experts=self.num_experts,
+                                             device=x.device, timeout_s=self.timeout_s)
+        except ValueError as exc:
+            self._unavailable = (x.device, row_bytes)
+            warnings.warn(f"{self.owner}: no live-row exchange here ({exc}); the dispatch sends "
+                          "NCCL's fixed chunks", RuntimeWarning, stacklevel=3)
+            return None
+        self._unavailable = None
+        return self.transport
+
+    def close(self) -> None:
+        """Release the transport (a collective for process-group transports)."""
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None

@@ -1,0 +1,96 @@
+"""The documented expert-parallel path, called as README shows it: ``MoEModel(config,
+group=g)`` with no ``exchange=``, built on the CPU and moved (device and dtype) afterwards,
+against NCCL's chunks (``exchange=None``) and the one-device reference. One function per case,
+run by each rank (gloo ranks on the CPU in test_moe_ep_default.py, one rank per GPU in
+test_moe_ep_default_gpu.py)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from graphstash.models import MoEConfig, MoEModel
+
+H, F, E, K, T = 16, 24, 8, 2, 48
+# outputs (absolute, of values ~1 after the final norm) and gradients (relative to the
+# reference's largest): summation orders differ between one device and the exchange
+TOLERANCE = {torch.float64: dict(rtol=0, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-5),
+             torch.bfloat16: dict(rtol=0, atol=6e-2)}
+GRAD_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def config_for(world: int, **over) -> MoEConfig:
+    """Two gated blocks with attention; a budget every routing fits (no rerun to compare)."""
+    fields = dict(hidden=H, ffn=F, num_experts=E, topk=K, layers=2, num_tokens=T,
+                  capacity_factor=float(world), gated=True, attention=True, heads=2, seq_len=8)
+    fields.update(over)
+    return MoEConfig(**fields)
+
+
+def rank_inputs(rank: int, world: int, device, dtype):
+    """Every rank's tokens and loss projection (row ``i`` of rank ``r`` from seed ``r``)."""
+    xs, projs = [], []
+    for r in range(world):
+        g = torch.Generator().manual_seed(1000 + r)
+        xs.append(torch.randn(T, H, generator=g).to(device, dtype))
+        projs.append(torch.randn(T, H, generator=g).to(device, torch.float32))
+    return xs, projs
+
+
+def forward_backward(model, x, proj):
+    """Output and loss of a projection loss that reaches every parameter (not the constant
+    mean square after the final RMSNorm)."""
+    out = model(x)
+    (out.float() * proj).sum().backward()
+    return out.detach()
+
+
+def gathered_grads(model: MoEModel, rank: int, world: int) -> dict:
+    """Each parameter's gradient as the one-device model holds it: the expert slices
+    gathered from every rank, the replicated gradients summed over the ranks."""
+    experts = {id(p) for p in model.expert_parameters()}
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        if id(p) in experts:
+            parts = [torch.empty_like(g) for _ in range(world)]
+            dist.all_gather(parts, g)
+            grads[name] = torch.cat(parts)
+        else:
+            dist.all_reduce(g)
+            grads[name] = g
+    return grads
+
+
+def default_path_case(rank: int, world: int, device: torch.device, dtypes) -> dict:
+    """For each dtype in ``dtypes`` (the model is moved to each in turn, so the exchange is
+    built and then rebuilt): outputs and every gradient of ``MoEModel(config, group=g)``
+    equal NCCL's chunks and the one-device reference."""
+    config = config_for(world)
+    group = dist.group.WORLD
+    model = MoEModel(config, group=group, seed=3)              # README: build, then move
+    kinds = []
+    for dtype in dtypes:
+        model = model.to(device, dtype)
+        chunks = MoEModel(config, group=group, exchange=None, seed=3).to(device, dtype)
+        ref = MoEModel(config, mode="dropless", seed=3).to(device, dtype)
+        xs, projs = rank_inputs(rank, world, device, dtype)
+        for m in (model, chunks, ref):
+            m.zero_grad(set_to_none=True)
+        out = forward_backward(model, xs[rank], projs[rank])
+        kinds.append(model.exchange_kind)
+        out_chunks = forward_backward(chunks, xs[rank], projs[rank])
+        out_ref = forward_backward(ref, torch.cat(xs), torch.cat(projs)).chunk(world)[rank]
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(out, out_ref, **tol, msg=lambda m: f"output vs reference: {m}")
+        torch.testing.assert_close(out, out_chunks, **tol, msg=lambda m: f"output vs chunks: {m}")
+        mine, theirs = gathered_grads(model, rank, world), gathered_grads(chunks, rank, world)
+        for name, q in ref.named_parameters():
+            want = q.grad
+            assert want.abs().max() > 1e-3, f"reference gradient of {name} is ~0"
+            scale = want.abs().max().item()
+            for got, what in ((mine[name], "default"), (theirs[name], "chunks")):
+                err = (got - want).abs().max().item()
+                limit = GRAD_TOLERANCE[dtype] * scale
+                assert err <= limit, (f"rank {rank} {name} ({what}, {dtype}): max error {err:.3g} "
+                                      f"against reference magnitude {scale:.3g}")
+    return {"kinds": kinds, "chunks_kind": chunks.exchange_kind}

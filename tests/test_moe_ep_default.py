@@ -1,0 +1,91 @@
+"""``MoEModel(config, group=g)`` as README shows it (no ``exchange=``), built then moved, on two
+gloo ranks: equal to NCCL's chunks and to the one-device reference in outputs and every
+gradient (tests/_ep_default.py); and a config cannot change under a model."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from _ep_default import default_path_case
+from _ranks import run_ranks
+from graphstash.models import MoEConfig, MoEModel
+
+
+def _cpu_rank(rank: int, world: int) -> dict:
+    return default_path_case(rank, world, torch.device("cpu"), (torch.float32, torch.float64))
+
+
+def test_default_path_built_then_moved_equals_chunks_and_reference():
+    for result in run_ranks(_cpu_rank, 2):
+        # the exchange is built at the first forward and rebuilt after the move to float64
+        assert result == str({"kinds": ["live rows over gloo", "live rows over gloo"],
+                              "chunks_kind": "nccl chunks"}), result
+
+
+def _four_ranks(rank: int, world: int) -> dict:
+    return default_path_case(rank, world, torch.device("cpu"), (torch.float64,))
+
+
+@pytest.mark.slow
+def test_default_path_four_gloo_ranks():
+    for result in run_ranks(_four_ranks, 4):
+        assert "live rows over gloo" in result, result
+
+
+def _rebuilt_on_move(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    from _ep_default import config_for
+
+    model = MoEModel(config_for(world), group=dist.group.WORLD, seed=3)
+    assert model.exchange_kind == "live rows (built at the first forward)"
+    x = torch.randn(48, 16)
+    model(x)
+    first = model.exchange
+    assert first is not None and first.row_bytes == 16 * 4
+    model.to(torch.float64)
+    model(x.double())
+    assert model.exchange is not first and first.closed and model.exchange.row_bytes == 16 * 8
+    model(x.double())
+    return "same" if model.exchange is model.exchange else "other"
+
+
+def test_exchange_rebuilt_for_the_dtype_the_model_moved_to():
+    assert run_ranks(_rebuilt_on_move, 2) == ["'same'", "'same'"]
+
+
+def test_config_is_frozen():
+    config = MoEConfig(hidden=16, attention=True, heads=4)
+    with pytest.raises(dataclasses.FrozenInstanceError, match="heads"):
+        config.heads = 5
+    with pytest.raises(ValueError, match="heads"):
+        dataclasses.replace(config, heads=5)
+    with pytest.raises(ValueError, match="heads"):
+        dataclasses.replace(config, heads=0)
+
+
+def test_model_validates_its_config_again():
+    config = MoEConfig(hidden=16, attention=True, heads=4)
+    object.__setattr__(config, "heads", 5)        # past the frozen dataclass on purpose
+    with pytest.raises(ValueError, match="heads: expected a divisor of hidden=16"):
+        MoEModel(config)
+
+
+def test_exchange_argument_is_checked():
+    with pytest.raises(TypeError, match="exchange: expected 'auto', None or a"):
+        MoEModel(MoEConfig(hidden=16), exchange="live")
+
+
+def test_stash_mode_without_a_manager_says_what_happens():
+    model = MoEModel(MoEConfig(hidden=16, ffn=16, layers=1, num_tokens=8), mode="stash")
+    x = torch.randn(8, 16)
+    with pytest.warns(RuntimeWarning, match="no StashManager is current"):
+        model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x)                                   # once per model
+        with torch.no_grad():
+            MoEModel(MoEConfig(hidden=16, ffn=16, layers=1, num_tokens=8), mode="stash")(x)

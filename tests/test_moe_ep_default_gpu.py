@@ -1,0 +1,55 @@
+"""``MoEModel(config, group=g)`` as README shows it, one rank per GPU (NCCL; the live rows over
+torch symmetric memory): built on the CPU, moved to the GPU in float32 and then bfloat16, equal
+to NCCL's chunks and the one-device reference (tests/_ep_default.py). The world size is the
+number of GPUs (2 or 4)."""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+
+
+def _entry(rank: int, world: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    from _ep_default import default_path_case
+
+    path = os.path.join(tmp, f"rank{rank}.txt")
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 'store')}",
+                                rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=300),
+                                device_id=torch.device("cuda", rank))
+        try:
+            result = default_path_case(rank, world, torch.device("cuda", rank),
+                                       (torch.float32, torch.bfloat16))
+        finally:
+            dist.destroy_process_group()
+        with open(path, "w") as f:
+            f.write("ok\n" + repr(result))
+    except BaseException:
+        with open(path, "w") as f:
+            f.write(f"rank {rank} failed:\n{traceback.format_exc()}")
+        os._exit(1)
+
+
+def test_default_path_on_gpus():
+    world = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if world < 2:
+        pytest.skip("needs two or more CUDA GPUs")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_entry, args=(world, tmp), nprocs=world, start_method="spawn",
+                           join=True)
+        texts = [open(os.path.join(tmp, f"rank{r}.txt")).read() for r in range(world)]
+    failed = [t for t in texts if not t.startswith("ok\n")]
+    assert not failed, "\n".join(failed)
+    for t in texts:
+        assert "live rows over symmetric" in t, t
