@@ -44,7 +44,7 @@ def small(source: str) -> str:
 def run_torchrun(path: Path, nproc: int, env: dict) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout

@@ -18,6 +18,7 @@ chunks.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -104,6 +105,19 @@ class GroupExchange:
         if t is not None:
             t.close()
             self.transport = None
+        # the collectives below run on the tokens' GPU, whatever device is current
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            try:
+                self.transport = self._build(x, row_bytes)
+            except ValueError as exc:
+                self._unavailable = (x.device, row_bytes)
+                warnings.warn(f"{self.owner}: no live-row exchange here ({exc}); the dispatch "
+                              "sends NCCL's fixed chunks", RuntimeWarning, stacklevel=3)
+                return None
+        self._unavailable = None
+        return self.transport
+
+    def _build(self, x: torch.Tensor, row_bytes: int) -> Transport:
         tokens = self.num_tokens
         if tokens is None:
             import torch.distributed as dist
@@ -114,17 +128,9 @@ class GroupExchange:
         rows = receive_rows(tokens, self.topk, self.num_experts, world_size=self.world_size,
                             capacity_factor=self.capacity_factor,
                             pad_multiple=self.pad_multiple)
-        try:
-            self.transport = build_transport(self.group, capacity_rows=rows,
-                                             row_bytes=row_bytes, max_experts=self.num_experts,
-                                             device=x.device, timeout_s=self.timeout_s)
-        except ValueError as exc:
-            self._unavailable = (x.device, row_bytes)
-            warnings.warn(f"{self.owner}: no live-row exchange here ({exc}); the dispatch sends "
-                          "NCCL's fixed chunks", RuntimeWarning, stacklevel=3)
-            return None
-        self._unavailable = None
-        return self.transport
+        return build_transport(self.group, capacity_rows=rows, row_bytes=row_bytes,
+                               max_experts=self.num_experts, device=x.device,
+                               timeout_s=self.timeout_s)
 
     def close(self) -> None:
         """Release the transport (a collective for process-group transports)."""
