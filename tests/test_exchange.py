@@ -273,12 +273,14 @@ def test_exchange_misuse_is_refused(gen):
     t = _unconnected_transport()
     x = tokens(12, 16, gen)                    # 12 x 16 float32: 64-byte rows
     idx, w = routing(12, 2, 8, gen)
-    with pytest.raises(TypeError, match="exchange: expected a graphstash.moe.exchange.Transport"):
+    with pytest.raises(TypeError, match="exchange: expected None, a graphstash.moe.RowExchange"):
         dispatch(x, idx, w, 8, budget=32, exchange=object())
-    with pytest.raises(ValueError, match="chunk_rows: the live-row exchange sends no chunks"):
+    with pytest.raises(ValueError, match="dispatch: give exchange= alone"):
         dispatch(x, idx, w, 8, budget=32, exchange=t, chunk_rows=4)
-    with pytest.raises(ValueError, match="group: expected None or the group the exchange"):
+    with pytest.raises(ValueError, match="dispatch: give exchange= alone"):
         dispatch(x, idx, w, 8, budget=32, exchange=t, group=object())
+    with pytest.raises(ValueError, match="chunk_rows: NCCL's chunks need a group"):
+        dispatch(x, idx, w, 8, budget=32, chunk_rows=4)
     with pytest.raises(ValueError, match="budget: 100 rows do not fit the exchange's 64"):
         dispatch(x, idx, w, 8, budget=100, exchange=t)
     with pytest.raises(ValueError, match="topk_idx: 72 rows do not fit the exchange's 64"):

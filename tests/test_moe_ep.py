@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from graphstash import _layout as L
 from graphstash.tools.bench.timing import capture_with_output
-from graphstash.moe import budget_rows, combine, dispatch, grouped_mm
+from graphstash.moe import NcclChunks, budget_rows, combine, dispatch, grouped_mm
 
 from _faults import exchange_fault
 from _grad_checks import assert_far_from_zero, projected_loss, projection
@@ -55,8 +55,9 @@ def _step(x, idx, w, w1, *, group, budget, pad, status, chunk_rows=None, scaled=
     """One MoE layer: dispatch, linear experts (grouped GEMM), combine; ``scaled``: the rows
     are scaled by ``handle.permuted_weights()`` and combined unweighted (the weights travel
     to the experts' rank and their gradients back)."""
+    exchange = None if group is None else NcclChunks(group, chunk_rows)
     permuted, counts, handle = dispatch(x, idx, w, E, budget=budget, pad_multiple=pad,
-                                        group=group, chunk_rows=chunk_rows, status=status)
+                                        exchange=exchange, status=status)
     y = grouped_mm(permuted, w1, counts)
     if scaled:
         return combine(y * handle.permuted_weights().unsqueeze(1), handle, weighted=False)
@@ -219,8 +220,12 @@ def _wrong_exchange_case(rank, device, dtype, group, budget, tol):
 
 def _bad_input_case(device, dtype, group):
     x, idx, w, _ = _data(1, 0, device, dtype)
-    with pytest.raises(ValueError, match="num_experts: expected a multiple of the group size 2"):
-        dispatch(x, idx.clamp(max=2), w, 3, budget=64, group=group)
+    with pytest.raises(ValueError, match="num_experts: expected a multiple of the exchange's 2"):
+        dispatch(x, idx.clamp(max=2), w, 3, budget=64, exchange=NcclChunks(group))
+    # the deprecated spelling converts, naming the new call
+    with pytest.warns(DeprecationWarning, match=r"exchange=graphstash.moe.NcclChunks\(group"):
+        with pytest.raises(ValueError, match="num_experts: expected a multiple of the exchange"):
+            dispatch(x, idx.clamp(max=2), w, 3, budget=64, group=group)
 
 
 def _worker(rank, port, backend, results_dir):

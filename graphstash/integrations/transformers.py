@@ -104,7 +104,7 @@ class ExpertsSettings:
     world_size: int = 1
     first_expert: int = 0
     name: str = "experts"
-    exchange: object = None          # a Transport, or a GroupExchange (None: NCCL chunks)
+    exchange: object = None          # NcclChunks, LiveRows or GroupExchange (None: one device)
 
 
 _DEFAULTS = ExpertsSettings()
@@ -267,7 +267,7 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
             then keeps this rank's slice of ``gate_up_proj`` / ``down_proj`` (rank ``r`` owns
             experts ``[r * E / W, (r + 1) * E / W)``) as new parameters, so gradients, optimizer
             state and ``state_dict()`` hold the slice. Tokens travel through
-            ``dispatch(group=...)``; every rank must pass the same number of tokens per step.
+            the exchange (``exchange=``); every rank must pass the same number of tokens per step.
             The other parameters stay replicated: all-reduce their gradients as usual (DDP).
         exchange: with ``group``, how tokens travel: ``"auto"`` builds the live-row exchange
             at the first forward, where the model then runs, and again after a move
@@ -315,16 +315,19 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
     _warn_bincount_aux_loss(model)
     if num_tokens is not None:
         require_positive_int("num_tokens", num_tokens)
-    transport = None
-    if world > 1 and exchange == "auto":
-        transport = _group_exchange(model, modules, capacity_factor, group, num_tokens)
-    elif world > 1 and exchange not in (None, "auto"):
-        from ..moe.exchange import Transport
+    row_exchange = None             # NOTE [row exchange] in graphstash/moe/_dispatch.py
+    if world > 1:
+        from ..moe.exchange import Transport, make_exchange
 
-        if not isinstance(exchange, Transport):
+        if exchange == "auto":
+            row_exchange = _group_exchange(model, modules, capacity_factor, group, num_tokens)
+        elif exchange is None:
+            row_exchange = make_exchange(group, kind="nccl chunks")
+        elif isinstance(exchange, Transport):
+            row_exchange = make_exchange(transport=exchange)
+        else:
             raise TypeError(f"exchange: expected 'auto', None or a graphstash.moe.exchange."
                             f"Transport, got {type(exchange).__name__}")
-        transport = exchange
     for name, module in modules:
         first = _shard(module, name, group, world, rank) if world > 1 else 0
         if world == 1 and settings_of(module).world_size > 1:
@@ -332,7 +335,7 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
                              f"{settings_of(module).world_size} ranks; pass that group again")
         setattr(module, _SETTINGS_ATTR, ExpertsSettings(
             capacity_factor=float(capacity_factor), stash=stash, group=group, world_size=world,
-            first_expert=first, name=name or "experts", exchange=transport))
+            first_expert=first, name=name or "experts", exchange=row_exchange))
     return [name for name, _ in modules]
 
 
@@ -341,7 +344,7 @@ def _group_exchange(model: nn.Module, modules, capacity_factor: float, group,
     """The live-row exchange every experts module of ``model`` shares, built at the first
     forward where the model then runs (NOTE [exchange built where it runs] in
     ``graphstash/moe/exchange/factory.py``)."""
-    from ..moe.exchange import GroupExchange
+    from ..moe.exchange import make_exchange
 
     config = getattr(model, "config", None)
     top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k", None)
@@ -349,18 +352,8 @@ def _group_exchange(model: nn.Module, modules, capacity_factor: float, group,
         raise ValueError("model: its config names no num_experts_per_tok; pass exchange=None "
                          "(NCCL chunks) or a Transport built for it")
     E = max(m.num_experts for _, m in modules)
-    return GroupExchange(group, topk=top_k, num_experts=E, capacity_factor=capacity_factor,
+    return make_exchange(group, topk=top_k, num_experts=E, capacity_factor=capacity_factor,
                          num_tokens=num_tokens, owner="configure")
-
-
-def exchange_transport(exchange, x: torch.Tensor):
-    """The Transport the rows of ``x`` (``[T, hidden]`` on this rank's device) travel through:
-    ``exchange`` itself, or the one a GroupExchange builds for them; None: NCCL chunks."""
-    from ..moe.exchange import GroupExchange
-
-    if isinstance(exchange, GroupExchange):
-        return exchange.transport_for(x)
-    return exchange
 
 
 def _warn_bincount_aux_loss(model: nn.Module) -> None:
@@ -474,6 +467,6 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     # NOTE [moe layer] in graphstash/moe/layer.py: budget, dispatch, stash group (the
     # current manager's, when stash=True and one is current), expert MLP, unweighted combine
     out = moe_layer(x, top_k_index, weights, w1, w2, E, gated=self.has_gate,
-                    capacity_factor=factor, group=settings.group, stash=settings.stash,
-                    name=settings.name, exchange=exchange_transport(settings.exchange, x))
+                    capacity_factor=factor, exchange=settings.exchange, stash=settings.stash,
+                    name=settings.name)
     return out.to(hidden_states.dtype)

@@ -26,6 +26,7 @@ from torch import nn
 
 from .._checks import normalize_device
 from ..moe import moe_layer
+from ..moe.exchange import Transport, make_exchange
 from .plain import plain_moe
 
 MODES = ("dropless", "budget", "stash", "plain")
@@ -172,13 +173,6 @@ class MoEBlock(nn.Module):
         if mode == "plain":
             return x + plain_moe(h, idx, weight, self.w1, self.w2, c.num_experts,
                                  gated=c.gated, group=group)
-        chunk = None
-        if (group is not None and exchange is None and c.chunk_factor is not None
-                and mode != "dropless"):
-            import torch.distributed as dist
-
-            world = dist.get_world_size(group)
-            chunk = max(1, math.ceil(c.chunk_factor * x.shape[0] * c.topk / world))
         stash = False
         if mode == "stash":
             stash = stash_manager if stash_manager is not None else True
@@ -186,9 +180,8 @@ class MoEBlock(nn.Module):
         # expert MLP and unweighted combine, paired as they must be
         return x + moe_layer(h, idx, weight, self.w1, self.w2, c.num_experts, gated=c.gated,
                              capacity_factor=None if mode == "dropless" else c.capacity_factor,
-                             pad_multiple=c.pad_multiple, group=group, chunk_rows=chunk,
-                             stash=stash, name="moe.experts", status=status,
-                             exchange=exchange)
+                             pad_multiple=c.pad_multiple, exchange=exchange, stash=stash,
+                             name="moe.experts", status=status)
 
 
 class MoEModel(nn.Module):
@@ -247,8 +240,6 @@ class MoEModel(nn.Module):
         config.__post_init__()        # validated again (a config is frozen, not unbreakable)
         world, rank = 1, 0
         if exchange not in (None, "auto"):              # a transport: its ranks (in-process too)
-            from ..moe.exchange import Transport
-
             if not isinstance(exchange, Transport):
                 raise TypeError(f"exchange: expected 'auto', None or a graphstash.moe.exchange."
                                 f"Transport, got {type(exchange).__name__}")
@@ -263,6 +254,7 @@ class MoEModel(nn.Module):
         self.config = config
         self.mode = mode
         self.group = group
+        self._nccl_world = world
         self.stash_manager = stash_manager
         self.status = status
         local = config.num_experts // world
@@ -274,17 +266,14 @@ class MoEModel(nn.Module):
                                         for _ in range(config.layers))
         self.norm = nn.RMSNorm(config.hidden, device=device, dtype=dtype)
         self.to(device=device, dtype=dtype)          # attention's modules, made on the CPU
-        self._transport = None            # a Transport given by the caller
-        self._group_exchange = None       # or one built where the model runs
+        self._exchange = None             # LiveRows, or a GroupExchange (NOTE [row exchange])
         if exchange not in (None, "auto"):
             if mode == "plain":
                 raise ValueError("exchange: the plain peer sends its rows with all_to_all; "
                                  "pass exchange=None (or 'auto') with mode='plain'")
-            self._transport = exchange
+            self._exchange = make_exchange(transport=exchange)
         elif group is not None and mode != "plain" and exchange == "auto":
-            from ..moe.exchange import GroupExchange
-
-            self._group_exchange = GroupExchange(
+            self._exchange = make_exchange(
                 group, topk=config.topk, num_experts=config.num_experts,
                 capacity_factor=config.capacity_factor, pad_multiple=config.pad_multiple,
                 num_tokens=config.num_tokens, owner="MoEModel")
@@ -311,18 +300,14 @@ class MoEModel(nn.Module):
     def exchange(self):
         """The :class:`~graphstash.moe.exchange.Transport` the experts' rows travel through
         (None: one device, NCCL's chunks, or not built before the first forward)."""
-        if self._transport is not None:
-            return self._transport
-        return None if self._group_exchange is None else self._group_exchange.transport
+        return None if self._exchange is None else self._exchange.transport
 
     @property
     def exchange_kind(self) -> str:
         """Which expert-parallel exchange runs: ``"one device"``, ``"nccl chunks"``, or the
         live-row exchange's transport (``"live rows over ipc"``, ``"... symmetric"``, ...)."""
-        if self._transport is not None:
-            return f"live rows over {self._transport.kind}"
-        if self._group_exchange is not None:
-            return self._group_exchange.kind
+        if self._exchange is not None:
+            return self._exchange.kind
         if self.group is None:
             return "one device"
         return "nccl chunks" if self.mode != "plain" else "all_to_all (plain peer)"
@@ -345,15 +330,26 @@ class MoEModel(nn.Module):
         if self.config.attention and x.shape[0] % self.config.seq_len:
             raise ValueError(f"x: with attention, num_tokens must be a multiple of "
                              f"seq_len={self.config.seq_len}, got {x.shape[0]}")
-        exchange = self._transport
-        if self._group_exchange is not None:       # NOTE [exchange built where it runs]
-            exchange = self._group_exchange.transport_for(x)
+        exchange = self._row_exchange(x)
         if self.mode == "stash" and self.stash_manager is None:
             self._warn_unstashed()
         for block in self.blocks:
             x = block(x, mode=self.mode, group=self.group, stash_manager=self.stash_manager,
                       status=self.status, exchange=exchange)
         return self.norm(x)
+
+    def _row_exchange(self, x: torch.Tensor):
+        """The exchange the experts' rows take for tokens ``x`` (NOTE [row exchange] in
+        ``graphstash/moe/_dispatch.py``): the one made at construction, else NCCL's chunks of
+        ``chunk_factor`` x the average rows per rank under a group (their size follows the
+        tokens), else None (one device)."""
+        if self._exchange is not None or self.group is None or self.mode == "plain":
+            return self._exchange
+        c = self.config
+        chunk = None
+        if c.chunk_factor is not None and self.mode != "dropless":
+            chunk = max(1, math.ceil(c.chunk_factor * x.shape[0] * c.topk / self._nccl_world))
+        return make_exchange(self.group, kind="nccl chunks", chunk_rows=chunk)
 
     def _warn_unstashed(self) -> None:
         """Say once that ``mode="stash"`` runs unstashed when no StashManager is current."""

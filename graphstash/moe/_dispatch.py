@@ -9,8 +9,8 @@ runs dropless (``budget=None`` or :func:`graphstash.dropless`), which is eager o
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, runtime_checkable
 import math
+from typing import Protocol, runtime_checkable
 import weakref
 
 import torch
@@ -23,8 +23,9 @@ from ..status import reading_allowed, resolve, warn_at_call_site
 from .backend import Kernels, kernels_for
 from ._routing import RoutingPlan, plan_expert_parallel, plan_local
 
-__all__ = ["DispatchHandle", "budget_rows", "check_routing", "combine", "default_status",
-           "dispatch"]
+__all__ = ["DispatchHandle", "NcclChunks", "OneDevice", "RowExchange", "as_exchange",
+           "budget_rows", "check_routing", "combine", "default_status", "dispatch",
+           "register_transport_adapter"]
 
 
 def default_status(device) -> torch.Tensor:
@@ -107,6 +108,7 @@ class DispatchHandle:
     permuted_version: int = 0
     counts_version: int = 0
     exchanged_weights: torch.Tensor | None = None    # [R] router weights that came with the rows
+    exchange: "RowExchange | None" = None             # what moved the rows (NOTE [row exchange])
 
     @property
     def backend(self) -> str:
@@ -116,7 +118,7 @@ class DispatchHandle:
     @property
     def local(self) -> bool:
         """True for a one-device dispatch (no expert-parallel exchange)."""
-        return self.plan.group is None
+        return self.exchange is None or self.exchange.world_size == 1
 
     def regather(self, source: torch.Tensor) -> torch.Tensor:
         """The permuted rows of ``source`` (``[num_tokens, hidden]``, the dispatched tokens or
@@ -259,8 +261,8 @@ def check_routing(topk_idx: torch.Tensor, num_experts: int) -> None:
                          f"(num_experts={num_experts}), got {bad}")
 
 
-def _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_multiple, group,
-                         chunk_rows):
+def _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_multiple,
+                         exchange: "RowExchange"):
     _check_float("x", x)
     if x.dim() != 2:
         raise ValueError(f"x: expected a 2-D [num_tokens, hidden] tensor, got {describe(x)}")
@@ -285,39 +287,35 @@ def _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_mult
         require_positive_int("budget", budget)
     if pad_multiple is not None:
         require_positive_int("pad_multiple", pad_multiple)
-    if chunk_rows is not None:
-        require_positive_int("chunk_rows", chunk_rows)
-    if group is not None:
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("group: torch.distributed is not initialized; call "
-                             "init_process_group() first or pass group=None")
-        world = dist.get_world_size(group)
-        if num_experts % world:
-            raise ValueError(f"num_experts: expected a multiple of the group size {world} "
-                             f"(experts are split evenly over the ranks), got {num_experts}")
+    world = exchange.world_size
+    if num_experts % world:
+        raise ValueError(f"num_experts: expected a multiple of the exchange's {world} ranks "
+                         f"(experts are split evenly over the ranks), got {num_experts}")
 
 
 @runtime_checkable
 class RowExchange(Protocol):
-    """What :func:`dispatch` and :func:`combine` drive through ``exchange=`` (NOTE [row
-    exchange]): :class:`graphstash.moe.exchange.Transport` is one.
+    """How :func:`dispatch` and :func:`combine` move rows between tokens and experts: the one
+    protocol of the three exchanges (NOTE [row exchange]): :class:`OneDevice`,
+    :class:`NcclChunks` and :class:`graphstash.moe.exchange.LiveRows`.
 
-    NOTE [row exchange]: the live-row exchange lives above this module (it plans with the
-    routing here), so dispatch knows it only through this protocol and never imports it.
-    ``plan_dispatch`` exchanges the counts and returns a plan (a collective; its
-    ``tokens_per_expert``, ``live_rows``, ``budget_rows`` are this rank's, as a RoutingPlan's);
-    ``dispatch_rows`` moves ``x``'s live rows to the experts' ranks and returns the permuted
-    rows with the router weight of each (differentiable; its backward is the combine's
-    exchange); ``combine_rows`` moves the expert outputs back and sums them per token
-    (weighted by ``topk_weight`` unless None; its backward is the dispatch's exchange).
+    NOTE [row exchange]: an exchange plans a dispatch (``plan_dispatch``: the counts, every
+    row's place, the budget's flags; a collective under expert parallelism; its
+    ``tokens_per_expert``, ``live_rows``, ``budget_rows`` are this rank's), moves the tokens'
+    rows to their experts (``dispatch_rows``: the permuted rows, and each row's router weight
+    when they travel with the rows, else None; differentiable, its backward the combine's
+    movement) and moves the expert outputs back, summed per token (``combine_rows``, weighted
+    by ``topk_weight`` unless None). ``world_size`` is the ranks the experts are spread over;
+    ``for_tokens(x)`` is the exchange that moves tokens like ``x``, after refusing what it
+    cannot move (itself, or, for one built where the model runs, the one it built). The live-row exchange lives above this
+    module, so dispatch knows it only through this protocol and never imports it; a
+    :class:`~graphstash.moe.exchange.Transport` given as ``exchange=`` is turned into one by
+    the adapter its package registers (:func:`register_transport_adapter`).
     """
 
     world_size: int
-    group: object
-    device: torch.device
-    closed: bool
+
+    def for_tokens(self, x: torch.Tensor) -> "RowExchange": ...
 
     def plan_dispatch(self, topk_idx: torch.Tensor, num_experts: int, budget: int | None,
                       pad_multiple: int | None, *, row_bytes: int, status, kernels): ...
@@ -327,21 +325,111 @@ class RowExchange(Protocol):
     def combine_rows(self, y: torch.Tensor, topk_weight, plan, kernels): ...
 
 
-def _check_exchange(exchange, group, chunk_rows, x) -> None:
-    if not isinstance(exchange, RowExchange):
-        raise TypeError(f"exchange: expected a graphstash.moe.exchange.Transport, got "
-                        f"{type(exchange).__name__}")
-    if group is not None and group is not exchange.group:
-        raise ValueError("group: expected None or the group the exchange was built over "
-                         f"({exchange.group!r}), got {group!r}")
-    if chunk_rows is not None:
-        raise ValueError("chunk_rows: the live-row exchange sends no chunks; leave it None")
-    if exchange.closed:
-        raise ValueError("exchange: the transport was closed")
-    _check_float("x", x)
-    if x.device != exchange.device:
-        raise ValueError(f"x: expected a tensor on {exchange.device} (the exchange's device), "
-                         f"got {describe(x)}")
+class _GatheredRows:
+    """Rows moved by gathers along a :class:`RoutingPlan` (with a group: one
+    ``all_to_all_single`` between them, NOTE [send layout] in ``_routing.py``)."""
+
+    world_size = 1
+
+    def for_tokens(self, x: torch.Tensor) -> "_GatheredRows":
+        return self
+
+    def dispatch_rows(self, x, topk_weight, plan, kernels):
+        return _Dispatch.apply(x, plan, kernels), None
+
+    def combine_rows(self, y, topk_weight, plan, kernels):
+        if topk_weight is None:
+            return _CombineUnweighted.apply(y, plan, kernels)
+        return _Combine.apply(y, topk_weight, plan, kernels)
+
+
+class OneDevice(_GatheredRows):
+    """Every expert on this device: the rows are gathered locally (:func:`plan_local`)."""
+
+    kind = "one device"
+
+    def __repr__(self) -> str:
+        return "OneDevice()"
+
+    def plan_dispatch(self, topk_idx, num_experts, budget, pad_multiple, *, row_bytes, status,
+                      kernels):
+        return plan_local(topk_idx, num_experts, budget, pad_multiple, kernels=kernels,
+                          status=status)
+
+
+class NcclChunks(_GatheredRows):
+    """Expert parallel over ``group`` with NCCL's ``all_to_all_single``: each rank sends every
+    other a chunk of ``chunk_rows`` rows (NOTE [send layout] in ``_routing.py``), the budget's
+    worth when None (``min(budget, tokens x min(topk, E / W))``, which never drops a row the
+    budget would keep). Rank ``r`` owns experts ``[r * E / W, (r + 1) * E / W)``."""
+
+    kind = "nccl chunks"
+
+    def __init__(self, group, chunk_rows: int | None = None):
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("group: torch.distributed is not initialized; call "
+                             "init_process_group() first or pass group=None")
+        if chunk_rows is not None:
+            require_positive_int("chunk_rows", chunk_rows)
+        self.group = group
+        self.chunk_rows = chunk_rows
+        self.world_size = dist.get_world_size(group)
+
+    def __repr__(self) -> str:
+        return f"NcclChunks(world_size={self.world_size}, chunk_rows={self.chunk_rows})"
+
+    def plan_dispatch(self, topk_idx, num_experts, budget, pad_multiple, *, row_bytes, status,
+                      kernels):
+        chunk = None
+        if budget is not None:
+            chunk = self.chunk_rows or max(1, min(budget, topk_idx.shape[0] * min(
+                topk_idx.shape[1], num_experts // self.world_size)))
+        return plan_expert_parallel(topk_idx, num_experts, budget, pad_multiple, self.group,
+                                    chunk, status=status)
+
+
+ONE_DEVICE = OneDevice()
+_ADAPTERS: list = []
+
+
+def register_transport_adapter(kind: type, adapter) -> None:
+    """Let ``exchange=`` take a ``kind`` object, turned into an exchange by ``adapter(obj)``
+    (NOTE [row exchange]: how :mod:`graphstash.moe.exchange` makes a Transport one)."""
+    _ADAPTERS.append((kind, adapter))
+
+
+def as_exchange(exchange, group=None, chunk_rows=None, *, caller: str = "dispatch"):
+    """The :class:`RowExchange` of ``exchange=`` (None: :data:`ONE_DEVICE`; a registered
+    kind, such as a Transport, adapted); ``group``/``chunk_rows``, deprecated, become
+    :class:`NcclChunks` with a DeprecationWarning naming the new call. TypeError/ValueError
+    naming the argument otherwise."""
+    if group is not None or chunk_rows is not None:
+        if exchange is not None:
+            raise ValueError(f"{caller}: give exchange= alone; group= and chunk_rows= are its "
+                             "deprecated spelling (exchange=NcclChunks(group, chunk_rows))")
+        if group is None:
+            raise ValueError("chunk_rows: NCCL's chunks need a group; pass "
+                             "exchange=NcclChunks(group, chunk_rows)")
+        import warnings
+
+        warnings.warn(f"{caller}(group=..., chunk_rows=...) is deprecated and will be removed "
+                      f"in the next release: pass exchange=graphstash.moe.NcclChunks(group, "
+                      f"chunk_rows) (or a graphstash.moe.exchange.LiveRows)",
+                      DeprecationWarning, stacklevel=3)
+        return NcclChunks(group, chunk_rows)
+    if exchange is None:
+        return ONE_DEVICE
+    for kind, adapter in _ADAPTERS:
+        if isinstance(exchange, kind):
+            return adapter(exchange)
+    if not callable(getattr(exchange, "for_tokens", None)) or \
+            not isinstance(getattr(exchange, "world_size", None), int):
+        raise TypeError(f"exchange: expected None, a graphstash.moe.RowExchange (OneDevice, "
+                        f"NcclChunks, graphstash.moe.exchange.LiveRows) or a "
+                        f"graphstash.moe.exchange.Transport, got {type(exchange).__name__}")
+    return exchange      # a RowExchange, or one that resolves to one (GroupExchange)
 
 
 def _all_to_all(src: torch.Tensor, group) -> torch.Tensor:
@@ -518,8 +606,8 @@ def _warn_over_budget(plan: RoutingPlan, budget: int) -> None:
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
              num_experts: int, *, budget: int | None, pad_multiple: int | None = None,
-             group=None, chunk_rows: int | None = None, status: torch.Tensor | None = None,
-             backend: str = "auto", exchange=None):
+             exchange=None, status: torch.Tensor | None = None, backend: str = "auto",
+             group=None, chunk_rows: int | None = None):
     """Permute tokens by expert into a static buffer of ``budget`` rows.
 
     Args:
@@ -528,25 +616,24 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
         topk_idx: int32/int64 ``[num_tokens, topk]`` expert of each slot, same device.
         topk_weight: floating ``[num_tokens, topk]`` router weight of each slot, same device;
             used by :func:`combine` (and differentiated there).
-        num_experts: experts in total (over all ranks of ``group``).
+        num_experts: experts in total (over all ranks of the exchange).
         budget: rows of the permuted buffer (padding included; see :func:`budget_rows`), or
             ``None`` for a dropless, exactly sized buffer (eager only, reads counts back).
             Dropless mode (:func:`graphstash.dropless`) ignores the budget the same way.
         pad_multiple: round every expert's row count up to this multiple (grouped GEMM
             alignment); padding rows are zero.
-        group: ``torch.distributed`` process group for expert parallelism; rank ``r`` owns
-            experts ``[r * E / W, (r + 1) * E / W)``.
-        chunk_rows: rows of each per-rank chunk of the all-to-all (expert parallel only);
-            default ``min(budget, num_tokens * min(topk, E / W))``, which never drops a row
-            the budget would keep.
+        exchange: how rows reach the experts (NOTE [row exchange]): None (every expert on this
+            device), :class:`NcclChunks` (expert parallel over NCCL's fixed chunks), or
+            :class:`graphstash.moe.exchange.LiveRows` (only the live rows, straight into the
+            experts' ranks; a :class:`~graphstash.moe.exchange.Transport` is taken as the live
+            rows over it). Under expert parallelism rank ``r`` owns experts
+            ``[r * E / W, (r + 1) * E / W)`` and every rank calls dispatch and combine in the
+            same order.
         status: int32 ``[8]`` status tensor on x's device, or its
             :class:`~graphstash.status.StepStatus` (default: the running step's, see
             :func:`default_status`).
         backend: ``"auto"``, ``"cupy"`` or ``"reference"``.
-        exchange: a :class:`graphstash.moe.exchange.Transport`: the expert-parallel exchange
-            moves only the live rows, straight into the experts' ranks, through it (its ranks
-            are the group; ``group`` may be omitted). Every rank calls dispatch and combine in
-            the same order.
+        group, chunk_rows: deprecated: ``exchange=NcclChunks(group, chunk_rows)``.
 
     Returns:
         ``(permuted, tokens_per_expert, handle)``: ``permuted`` is ``[budget, hidden]`` in
@@ -565,11 +652,10 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
         y = grouped_mm(permuted, w1, counts)
         out = combine(y, handle)
     """
-    if exchange is not None:
-        _check_exchange(exchange, group, chunk_rows, x)
-        group = None
-    _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_multiple, group,
-                         chunk_rows)
+    exchange = as_exchange(exchange, group, chunk_rows, caller="dispatch")
+    _check_float("x", x)
+    exchange = exchange.for_tokens(x)
+    _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_multiple, exchange)
     dropless = budget is None or is_dropless()
     status, source = resolve(status, x.device)
     kernels = kernels_for(backend, x.device)
@@ -577,42 +663,26 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
         forbid_capture("a dropless MoE dispatch (it reads the expert counts back to the host)")
     if dropless or x.device.type == "cpu":
         check_routing(topk_idx, num_experts)
-
-    if exchange is not None:
-        plan = exchange.plan_dispatch(topk_idx.contiguous(), num_experts,
-                                      None if dropless else budget, pad_multiple,
-                                      row_bytes=x.shape[1] * x.element_size(),
-                                      status=None if dropless else status, kernels=kernels)
-        permuted, weights = exchange.dispatch_rows(x, topk_weight, plan, kernels)
-        handle = DispatchHandle(plan=plan, topk_weight=topk_weight, num_experts=num_experts,
-                                hidden=x.shape[1], dtype=x.dtype, device=x.device,
-                                kernels=kernels, source=x, exchanged_weights=weights)
-        return permuted, plan.tokens_per_expert, handle
-    world = 1
-    if group is None:
-        plan = plan_local(topk_idx, num_experts, None if dropless else budget, pad_multiple,
-                          kernels=kernels, status=status)
-    else:
-        import torch.distributed as dist
-
-        world = dist.get_world_size(group)
-        if not dropless and chunk_rows is None:
-            chunk_rows = max(1, min(budget, x.shape[0] * min(topk_idx.shape[1],
-                                                             num_experts // world)))
-        plan = plan_expert_parallel(topk_idx, num_experts, None if dropless else budget,
-                                    pad_multiple, group, None if dropless else chunk_rows,
-                                    status=status)
+    plan = exchange.plan_dispatch(topk_idx.contiguous(), num_experts,
+                                  None if dropless else budget, pad_multiple,
+                                  row_bytes=x.shape[1] * x.element_size(), status=status,
+                                  kernels=kernels)
+    local = exchange is ONE_DEVICE
     if (source == "default" and not dropless and reading_allowed()
-            and not _fits_any_routing(x.shape[0], topk_idx.shape[1], num_experts // world,
-                                      budget, pad_multiple, group is None)):
+            and not _fits_any_routing(x.shape[0], topk_idx.shape[1],
+                                      num_experts // exchange.world_size, budget,
+                                      pad_multiple, local)):
         _warn_over_budget(plan, budget)
-    permuted = _Dispatch.apply(x, plan, kernels)
+    permuted, weights = exchange.dispatch_rows(x, topk_weight, plan, kernels)
     handle = DispatchHandle(plan=plan, topk_weight=topk_weight, num_experts=num_experts,
                             hidden=x.shape[1], dtype=x.dtype, device=x.device,
-                            kernels=kernels, source=x, source_version=_version(x),
-                            permuted_ref=weakref.ref(permuted),
-                            permuted_version=_version(permuted),
-                            counts_version=_version(plan.tokens_per_expert))
+                            kernels=kernels, source=x, exchange=exchange,
+                            exchanged_weights=weights)
+    if weights is None:          # rows gathered here (NOTE [regathered input] in mlp.py)
+        handle.source_version = _version(x)
+        handle.permuted_ref = weakref.ref(permuted)
+        handle.permuted_version = _version(permuted)
+        handle.counts_version = _version(plan.tokens_per_expert)
     return permuted, plan.tokens_per_expert, handle
 
 
@@ -648,9 +718,5 @@ def combine(y: torch.Tensor, handle: DispatchHandle, *, weighted: bool = True) -
                         f"got {describe(y)}")
     if not isinstance(weighted, bool):
         raise TypeError(f"weighted: expected a bool, got {type(weighted).__name__}")
-    if handle.exchanged_weights is not None:          # dispatched through an exchange
-        return handle.plan.transport.combine_rows(y, handle.topk_weight if weighted else None,
-                                                  handle.plan, handle.kernels)
-    if not weighted:
-        return _CombineUnweighted.apply(y, handle.plan, handle.kernels)
-    return _Combine.apply(y, handle.topk_weight, handle.plan, handle.kernels)
+    return handle.exchange.combine_rows(y, handle.topk_weight if weighted else None,
+                                        handle.plan, handle.kernels)

@@ -23,7 +23,7 @@ import torch
 
 from .._checks import describe
 from .._mode import is_dropless
-from ._dispatch import budget_rows, combine, dispatch
+from ._dispatch import as_exchange, budget_rows, combine, dispatch
 from .mlp import expert_mlp
 
 __all__ = ["moe_layer"]
@@ -32,9 +32,9 @@ __all__ = ["moe_layer"]
 def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
               w1: torch.Tensor, w2: torch.Tensor, num_experts: int, *, gated: bool = False,
               capacity_factor: float | None = None, budget: int | None = None,
-              pad_multiple: int | None = None, group=None, chunk_rows: int | None = None,
-              stash=False, name: str = "moe.experts", status=None,
-              impl: str = "auto", exchange=None) -> torch.Tensor:
+              pad_multiple: int | None = None, exchange=None, stash=False,
+              name: str = "moe.experts", status=None, impl: str = "auto", group=None,
+              chunk_rows: int | None = None) -> torch.Tensor:
     """``out[t] = sum_k topk_weight[t, k] * mlp_{topk_idx[t, k]}(x[t])`` over a static-budget
     dispatch, the count-aware expert MLP and combine (NOTE [moe layer]).
 
@@ -45,17 +45,16 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
         w1: ``[E_local, ffn, hidden]`` or gated ``[E_local, 2 * ffn, hidden]`` (HuggingFace's
             ``gate_up_proj``: gate rows, then up rows), x's dtype and device.
         w2: ``[E_local, hidden, ffn]`` (``down_proj``), x's dtype and device.
-        num_experts: experts over all ranks of ``group`` (``E_local * world``).
+        num_experts: experts over all ranks of the exchange (``E_local * world``).
         gated: SwiGLU (``silu(gate) * up``) or SiLU experts.
         capacity_factor: the budget as this multiple of the average rows a rank receives
             (:func:`budget_rows`); or
         budget: the budget in rows; neither: dropless (buffers sized from the counts, eager
             only). Not both.
         pad_multiple: round each expert's rows up to this multiple.
-        group: ``torch.distributed`` group for expert parallelism (passed to dispatch).
-        chunk_rows: expert parallel over NCCL chunks only: rows per destination.
-        exchange: a :class:`graphstash.moe.exchange.Transport`: expert parallel through the
-            live-row exchange (its ranks are the group; ``group`` may be None).
+        exchange: how rows reach the experts, as for :func:`dispatch` (NOTE [row exchange]):
+            None (one device), :class:`~graphstash.moe.NcclChunks`, or
+            :class:`graphstash.moe.exchange.LiveRows` (or its Transport).
         stash: ``False`` (default) or None: nothing stashed; ``True``: the current
             :class:`~graphstash.StashManager` (``graph_step(stash=...)``'s or an enclosing
             ``with manager:``), none current: nothing stashed; a StashManager: that one.
@@ -63,6 +62,7 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
         status: int32 ``[8]`` status for the dispatch's flags (default: the running step's,
             :func:`default_status`).
         impl: the grouped GEMM, as for :func:`grouped_mm`.
+        group, chunk_rows: deprecated: ``exchange=NcclChunks(group, chunk_rows)``.
     Returns ``[T, hidden]`` in x's dtype, differentiable in x, topk_weight, w1 and w2.
     Example::
 
@@ -79,29 +79,20 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
         raise ValueError(f"budget: give capacity_factor or budget, not both (got "
                          f"capacity_factor={capacity_factor!r}, budget={budget!r})")
     manager = _stash_manager(stash)
+    exchange = as_exchange(exchange, group, chunk_rows, caller="moe_layer")
     if capacity_factor is not None:
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
             raise ValueError("topk_idx: expected an int32 or int64 [T, K] tensor, got "
                              + (describe(topk_idx) if isinstance(topk_idx, torch.Tensor)
                                 else type(topk_idx).__name__))
-        world = 1
-        if exchange is not None:
-            world = exchange.world_size
-        elif group is not None:
-            import torch.distributed as dist
-
-            if not dist.is_available() or not dist.is_initialized():
-                raise ValueError("group: torch.distributed is not initialized; call "
-                                 "init_process_group() first or pass group=None")
-            world = dist.get_world_size(group)
+        world = exchange.world_size
         # budget_rows takes the tokens of the whole group: x holds this rank's share
         budget = budget_rows(x.shape[0] * world, topk_idx.shape[1], num_experts,
                              capacity_factor=capacity_factor, pad_multiple=pad_multiple,
                              world_size=world)
     permuted, counts, handle = dispatch(x, topk_idx, topk_weight, num_experts, budget=budget,
-                                        pad_multiple=pad_multiple,
-                                        group=None if exchange is not None else group,
-                                        chunk_rows=chunk_rows, status=status, exchange=exchange)
+                                        pad_multiple=pad_multiple, exchange=exchange,
+                                        status=status)
 
     def experts() -> torch.Tensor:
         y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), gated=gated,

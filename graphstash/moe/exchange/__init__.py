@@ -17,18 +17,24 @@ pass it to :func:`graphstash.moe.dispatch` as ``exchange=``::
 The same transport sums the step's flags across ranks (:meth:`Transport.all_reduce_flags_`).
 Nothing here touches the GPU at import time.
 """
+from .. import register_transport_adapter
 from .autograd import exchange_combine, exchange_dispatch
 from .build import build_transport, describe_exchange, transport_kind
-from .factory import GroupExchange, receive_rows
+from .factory import GroupExchange, make_exchange, receive_rows
 from .gloo import GlooTransport, build_gloo_transport
 from .ipc import build_ipc_transport
+from .live import LiveRows
 from .local import build_local_transports
 from .plan import ExchangePlan, plan_exchange
 from .symmetric import build_symmetric_transport
 from .transport import DEFAULT_TIMEOUT_S, PeerTransport, Transport
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ExchangePlan", "GlooTransport", "GroupExchange", "PeerTransport",
-           "Transport",
+# NOTE [row exchange] in graphstash/moe/_dispatch.py: exchange=transport means its live rows
+register_transport_adapter(Transport, LiveRows)
+
+__all__ = ["DEFAULT_TIMEOUT_S", "ExchangePlan", "GlooTransport", "GroupExchange", "LiveRows",
+           "PeerTransport", "Transport",
            "build_gloo_transport", "build_ipc_transport", "build_local_transports",
            "build_symmetric_transport", "build_transport", "describe_exchange", "exchange_combine",
-           "exchange_dispatch", "plan_exchange", "receive_rows", "transport_kind"]
+           "exchange_dispatch", "make_exchange", "plan_exchange", "receive_rows",
+           "transport_kind"]

@@ -24,11 +24,12 @@ import warnings
 import torch
 
 from ..._checks import forbid_capture, require_positive_int
-from .. import budget_rows
+from .. import NcclChunks, budget_rows
 from .build import build_transport
+from .live import LiveRows
 from .transport import DEFAULT_TIMEOUT_S, Transport
 
-__all__ = ["GroupExchange", "receive_rows"]
+__all__ = ["GroupExchange", "KINDS", "make_exchange", "receive_rows"]
 
 
 def receive_rows(num_tokens: int, topk: int, num_experts: int, *, world_size: int,
@@ -44,6 +45,51 @@ def receive_rows(num_tokens: int, topk: int, num_experts: int, *, world_size: in
                          capacity_factor=capacity_factor, pad_multiple=pad_multiple,
                          world_size=world_size)
     return max(budget, num_tokens * topk)
+
+
+KINDS = ("live rows", "nccl chunks")
+
+
+def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: int | None = None,
+                  num_experts: int | None = None, capacity_factor: float = 1.25,
+                  pad_multiple: int | None = None, num_tokens: int | None = None,
+                  chunk_rows: int | None = None, owner: str = "make_exchange",
+                  timeout_s: float = DEFAULT_TIMEOUT_S):
+    """The one factory of row exchanges (NOTE [row exchange] in ``graphstash/moe/_dispatch.py``),
+    for ``exchange=`` of :func:`~graphstash.moe.dispatch` and :func:`~graphstash.moe.moe_layer`:
+
+    - nothing: None, every expert on this device;
+    - ``transport``: :class:`LiveRows` over it (its ranks are the exchange's);
+    - ``group`` and ``kind="nccl chunks"``: :class:`~graphstash.moe.NcclChunks` of
+      ``chunk_rows`` rows (None: the budget's);
+    - ``group`` and ``kind="live rows"``: a :class:`GroupExchange`, which builds the live-row
+      transport at the first forward, sized by :func:`receive_rows` from ``topk``,
+      ``num_experts``, ``capacity_factor``, ``pad_multiple`` and ``num_tokens``, and falls
+      back to NCCL's chunks where none can be built.
+
+    Example: ``exchange = make_exchange(group, topk=8, num_experts=128, capacity_factor=1.25)``.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    if transport is not None:
+        if group is not None and group is not transport.group:
+            raise ValueError("group: expected None or the group the transport was built over")
+        return LiveRows(transport)
+    if group is None:
+        if chunk_rows is not None:
+            raise ValueError("chunk_rows: NCCL's chunks need a group")
+        return None
+    if kind == "nccl chunks":
+        return NcclChunks(group, chunk_rows)
+    if chunk_rows is not None:
+        raise ValueError("chunk_rows: the live-row exchange sends no chunks; pass "
+                         "kind='nccl chunks'")
+    if topk is None or num_experts is None:
+        raise ValueError("topk: the live-row exchange is sized from topk and num_experts; "
+                         "pass both")
+    return GroupExchange(group, topk=topk, num_experts=num_experts,
+                         capacity_factor=capacity_factor, pad_multiple=pad_multiple,
+                         num_tokens=num_tokens, owner=owner, timeout_s=timeout_s)
 
 
 class GroupExchange:
@@ -78,6 +124,8 @@ class GroupExchange:
         self.owner = owner
         self.timeout_s = timeout_s
         self.transport: Transport | None = None
+        self._live: LiveRows | None = None
+        self._chunks: NcclChunks | None = None
         self._unavailable: tuple | None = None      # (device, row_bytes) that found none
 
     @property
@@ -131,6 +179,20 @@ class GroupExchange:
         return build_transport(self.group, capacity_rows=rows, row_bytes=row_bytes,
                                max_experts=self.num_experts, device=x.device,
                                timeout_s=self.timeout_s)
+
+    def for_tokens(self, x: torch.Tensor):
+        """The exchange that moves tokens like ``x`` (``[T, hidden]``): the
+        :class:`~graphstash.moe.exchange.LiveRows` over :meth:`transport_for` ``(x)``, or
+        NCCL's budget-sized chunks where no transport can be built (NOTE [row exchange] in
+        ``graphstash/moe/_dispatch.py``: this makes a GroupExchange an ``exchange=``)."""
+        transport = self.transport_for(x)
+        if transport is None:
+            if self._chunks is None:
+                self._chunks = NcclChunks(self.group)
+            return self._chunks
+        if self._live is None or self._live.transport is not transport:
+            self._live = LiveRows(transport)
+        return self._live
 
     def close(self) -> None:
         """Release the transport (a collective for process-group transports)."""

@@ -222,27 +222,6 @@ class Transport:
         with torch.no_grad():
             self.state[X.XS_ROW_BYTES_REMOTE:X.XS_ROWS_SENT + 1].zero_()
 
-    # ---- what dispatch and combine drive (NOTE [row exchange] in graphstash/moe/_dispatch.py)
-    def plan_dispatch(self, topk_idx: torch.Tensor, num_experts: int, budget: int | None,
-                      pad_multiple: int | None, *, row_bytes: int, status, kernels):
-        """:func:`~graphstash.moe.exchange.plan_exchange` over this transport (a collective)."""
-        from .plan import plan_exchange
-
-        return plan_exchange(topk_idx, num_experts, budget, pad_multiple, self,
-                             row_bytes=row_bytes, status=status, moe_ops=kernels)
-
-    def dispatch_rows(self, x: torch.Tensor, topk_weight: torch.Tensor, plan, kernels):
-        """:func:`~graphstash.moe.exchange.exchange_dispatch`: ``(permuted, row weights)``."""
-        from .autograd import exchange_dispatch
-
-        return exchange_dispatch(x, topk_weight, plan, kernels)
-
-    def combine_rows(self, y: torch.Tensor, topk_weight, plan, kernels) -> torch.Tensor:
-        """:func:`~graphstash.moe.exchange.exchange_combine`: ``[T, hidden]`` per token."""
-        from .autograd import exchange_combine
-
-        return exchange_combine(y, topk_weight, plan, kernels)
-
     def close(self) -> None:
         """Release the region and the peers' mappings. A collective for the process-group
         transports (each rank's region stays until every rank has dropped its mapping)."""

@@ -1,0 +1,77 @@
+"""The live-row exchange: a :class:`graphstash.moe.RowExchange` over a :class:`Transport`.
+
+Dispatch plans through the transport (:func:`~graphstash.moe.exchange.plan_exchange`: the
+counts of every rank, every row's place in its receiver's buffer) and pushes only the live
+rows straight into the experts' ranks; combine sends the results back (NOTE [live-row
+exchange layout] in ``plan.py``, NOTE [receive buffer lifetime] in ``autograd.py``). The
+transport stays a transport (regions, the peer table, barriers); this is what dispatch and
+combine drive through it (NOTE [row exchange] in ``graphstash/moe/_dispatch.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..._checks import describe
+from .autograd import exchange_combine, exchange_dispatch
+from .plan import plan_exchange
+from .transport import Transport
+
+__all__ = ["LiveRows"]
+
+
+class LiveRows:
+    """Expert parallel through ``transport``: only the live rows move. Its ranks are the
+    exchange's ranks (``world_size``, ``rank``), rows must fit its region (refused naming the
+    argument otherwise). Example::
+
+        exchange = LiveRows(build_transport(group, capacity_rows=rows, row_bytes=2 * H,
+                                            max_experts=E))
+        permuted, counts, handle = dispatch(x, idx, w, E, budget=budget, exchange=exchange)
+    """
+
+    def __init__(self, transport: Transport):
+        if not isinstance(transport, Transport):
+            raise TypeError(f"transport: expected a graphstash.moe.exchange.Transport, got "
+                            f"{type(transport).__name__}")
+        self.transport = transport
+
+    def __repr__(self) -> str:
+        return f"LiveRows({self.transport!r})"
+
+    @property
+    def kind(self) -> str:
+        return f"live rows over {self.transport.kind}"
+
+    @property
+    def world_size(self) -> int:
+        return self.transport.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+    def for_tokens(self, x: torch.Tensor) -> "LiveRows":
+        """Itself, after a ValueError naming ``exchange`` or ``x`` if ``x`` cannot travel
+        through it."""
+        if self.transport.closed:
+            raise ValueError("exchange: the transport was closed")
+        if x.device != self.transport.device:
+            raise ValueError(f"x: expected a tensor on {self.transport.device} (the exchange's "
+                             f"device), got {describe(x)}")
+        return self
+
+    def plan_dispatch(self, topk_idx, num_experts, budget, pad_multiple, *, row_bytes, status,
+                      kernels):
+        """:func:`~graphstash.moe.exchange.plan_exchange` over the transport (a collective);
+        a dropless plan (``budget=None``) raises no flags."""
+        return plan_exchange(topk_idx, num_experts, budget, pad_multiple, self.transport,
+                             row_bytes=row_bytes, status=None if budget is None else status,
+                             moe_ops=kernels)
+
+    def dispatch_rows(self, x, topk_weight, plan, kernels):
+        """``(permuted, row weights)``: :func:`~graphstash.moe.exchange.exchange_dispatch`."""
+        return exchange_dispatch(x, topk_weight, plan, kernels)
+
+    def combine_rows(self, y, topk_weight, plan, kernels):
+        """``[T, hidden]`` per token: :func:`~graphstash.moe.exchange.exchange_combine`."""
+        return exchange_combine(y, topk_weight, plan, kernels)
