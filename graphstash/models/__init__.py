@@ -5,5 +5,7 @@ expert MLP, combine) and :mod:`graphstash.stash`; :data:`PRESETS` holds configur
 layer widths of real models. Nothing here touches the GPU at import time.
 """
 from .moe import PRESETS, MoEConfig, MoEModel, preset
+from .routing import Routing, parse_routing, routing_bias
 
-__all__ = ["PRESETS", "MoEConfig", "MoEModel", "preset"]
+__all__ = ["PRESETS", "MoEConfig", "MoEModel", "Routing", "parse_routing", "preset",
+           "routing_bias"]

@@ -28,6 +28,7 @@ from .._checks import normalize_device
 from ..moe import moe_layer
 from ..moe.exchange import Transport, make_exchange
 from .plain import plain_moe
+from .routing import parse_routing, routing_bias
 
 MODES = ("dropless", "budget", "stash", "plain")
 
@@ -51,6 +52,7 @@ class MoEConfig:
     seq_len: int = 128            # attention only: tokens are [num_tokens / seq_len, seq_len]
     chunk_factor: float | None = None   # expert parallel: chunk = factor x average per rank
     gated: bool = False           # SwiGLU experts: w1 is [E, 2 * ffn, hidden] (gate rows, then up)
+    routing: str = "balanced"     # router logit bias: NOTE [training-like routing] in routing.py
 
     def __post_init__(self):
         for name in ("hidden", "ffn", "num_experts", "topk", "layers", "num_tokens", "heads",
@@ -68,6 +70,7 @@ class MoEConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got "
                                 f"{type(getattr(self, name)).__name__}")
+        parse_routing(self.routing)
         if self.attention and self.hidden % self.heads:
             raise ValueError(f"heads: expected a divisor of hidden={self.hidden}, got "
                              f"{self.heads}")
@@ -139,6 +142,10 @@ class MoEBlock(nn.Module):
         self.attn = _Attention(c.hidden, c.heads) if c.attention else None
         self.norm = nn.RMSNorm(c.hidden, device=device)
         self.router = nn.Linear(c.hidden, c.num_experts, bias=False, device=device)
+        # NOTE [training-like routing] in routing.py: written in place between steps
+        bias = None if parse_routing(c.routing).kind == "balanced" else \
+            torch.zeros(c.num_experts, device=device)
+        self.register_buffer("routing_bias", bias, persistent=False)
         # Full expert weights drawn from one generator on every rank; this rank keeps a slice.
         rows_in = 2 * c.ffn if c.gated else c.ffn
         sl = slice(first_expert, first_expert + local_experts)
@@ -158,6 +165,8 @@ class MoEBlock(nn.Module):
     def route(self, x: torch.Tensor):
         """Top-k softmax router: int64 ``[T, K]`` experts and ``[T, K]`` weights (x's dtype)."""
         logits = self.router(x).float()
+        if self.routing_bias is not None:
+            logits = logits + self.routing_bias.float()
         probs = torch.softmax(logits, dim=-1)
         weight, idx = torch.topk(probs, self.config.topk, dim=-1)
         weight = weight / weight.sum(-1, keepdim=True)
@@ -278,6 +287,19 @@ class MoEModel(nn.Module):
                 capacity_factor=config.capacity_factor, pad_multiple=config.pad_multiple,
                 num_tokens=config.num_tokens, owner="MoEModel")
         self._warned_unstashed = False
+        self.set_routing_step(0)
+
+    def set_routing_step(self, step: int) -> None:
+        """Write every block's router bias for training step ``step`` under
+        ``config.routing`` (NOTE [training-like routing] in ``routing.py``; only ``drift``
+        changes with the step). In place, between steps: a captured graph reads the new bias."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step: expected an int >= 0, got {step!r}")
+        bias = routing_bias(self.config.routing, self.config.num_experts, self._nccl_world, step)
+        with torch.no_grad():
+            for block in self.blocks:
+                if block.routing_bias is not None:
+                    block.routing_bias.copy_(bias)
 
     def expert_parameters(self):
         """This rank's expert weights (``w1`` and ``w2`` of every block): under expert
