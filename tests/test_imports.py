@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("graphstash", "raw_kernels")
@@ -221,3 +222,43 @@ def test_the_rules_catch_what_they_should():
         "graphstash/_import_rules_sample.py: reads private name _import_cupy of "
         "graphstash._kernels",
     }
+
+
+# ---- import time: nothing heavy is imported with graphstash (NOTE [import time]) ----------------
+def test_import_graphstash_leaves_heavy_modules_out():
+    """In a fresh process, ``import graphstash`` imports neither ``torch._dynamo`` nor CuPy nor
+    Triton (NOTE [import time] in graphstash/__init__.py); naming a lazily imported name
+    imports it."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys, graphstash\n"
+            "before = [m for m in ('torch._dynamo', 'cupy', 'triton') if m in sys.modules]\n"
+            "graphstash.StashConfig, graphstash.moe.budget_rows\n"
+            "from graphstash import stash_activations\n"
+            "print(json.dumps([before, 'graphstash.stash.context' in sys.modules,\n"
+            "                  'graphstash.moe.experts' in sys.modules]))\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, cwd=ROOT).stdout
+    before, stash_loaded, moe_loaded = json.loads(out.strip().splitlines()[-1])
+    assert before == [], f"import graphstash imported {before}"
+    assert stash_loaded and moe_loaded
+
+
+def test_constant_results_are_marked_as_torch_marks_them():
+    """``graphstash._untraced.constant_result`` sets what ``torch.compiler.
+    assume_constant_result`` sets (NOTE [constant results without dynamo]), and the kernels'
+    availability carries it."""
+    from graphstash import _kernels
+    from graphstash._untraced import CONSTANT_RESULT_ATTRIBUTE, constant_result
+
+    def by_torch():
+        return 1
+
+    def by_us():
+        return 1
+
+    torch_marks = dict(vars(torch.compiler.assume_constant_result(by_torch)))
+    assert torch_marks == dict(vars(constant_result(by_us))) == {CONSTANT_RESULT_ATTRIBUTE: True}
+    assert getattr(_kernels.availability, CONSTANT_RESULT_ATTRIBUTE) is True
