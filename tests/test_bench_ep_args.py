@@ -233,3 +233,49 @@ def test_graph_step_takes_release_warmup_cache_as_a_bool():
         is False
     with pytest.raises(TypeError, match="release_warmup_cache: expected a bool, got str"):
         graph_step(lambda: None, release_warmup_cache="no")
+
+
+# ---- ranks as spawned processes: a failed rank stops the others --------------------------------
+def _spawn(function: str, timeout_s: float) -> tuple[dict, float]:
+    """``spawn_processes(2, None, <function of tests/_spawned_ranks.py>)`` in a fresh process
+    (a hard deadline of its own); what it returned or the RankError's text, and its seconds."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    import time
+
+    tests = pathlib.Path(__file__).resolve().parent
+    code = ("import json, _spawned_ranks\n"
+            "from graphstash.tools.bench import ep_ranks\n"
+            "try:\n"
+            f"    out = {{'ok': ep_ranks.spawn_processes(2, None, _spawned_ranks.{function}, "
+            f"collective_timeout_s={timeout_s})}}\n"
+            "except ep_ranks.RankError as exc:\n"
+            "    out = {'error': str(exc)}\n"
+            "print(json.dumps(out))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=240)
+    seconds = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1]), seconds
+
+
+def test_a_failed_spawned_rank_stops_the_others_and_shows_its_own_error():
+    """Rank 1 fails while rank 0 waits for it in a collective whose timeout is 300 s: torch's
+    process starter ends rank 0 at once and the error is rank 1's own traceback."""
+    out, seconds = _spawn("one_rank_fails", timeout_s=300.0)
+    assert "error" in out, out
+    assert out["error"].startswith("rank 1 of 2 failed (the other ranks were stopped)")
+    assert "KeyError" in out["error"] and "rank one's own error" in out["error"]
+    assert seconds < 120, seconds                  # not the collective's 300 s
+
+
+def test_spawned_ranks_return_their_values_in_rank_order():
+    out, _ = _spawn("every_rank_answers", timeout_s=120.0)
+    assert out == {"ok": [{"rank": 0, "largest": 1.0, "gathered": [0, 10]},
+                          {"rank": 1, "largest": 1.0, "gathered": [0, 10]}]}, out
