@@ -19,7 +19,9 @@ def _args(*argv):
 
 
 @pytest.mark.parametrize("argv, world, gpu, launch", [
-    (("--ep", "2"), None, False, Launch("threads", 2, "local")),
+    (("--ep", "2"), None, False, Launch("processes", 2, "gloo")),
+    (("--ep", "2", "--transport", "gloo"), None, False, Launch("processes", 2, "gloo")),
+    (("--ep", "2", "--device", "cpu"), None, True, Launch("processes", 2, "gloo")),
     (("--ep", "2"), None, True, Launch("processes", 2, "ipc")),
     (("--ep", "4", "--transport", "local"), None, False, Launch("threads", 4, "local")),
     (("--ep", "2", "--transport", "ipc"), None, True, Launch("processes", 2, "ipc")),
@@ -50,7 +52,7 @@ BAD = [
     (("--transport", "ipc"), None, "--ep: expected the number of expert-parallel ranks"),
     (("--ep", "4"), "2", "--ep: expected the launcher's WORLD_SIZE=2 (one rank per process), "
                          "got 4"),
-    (("--transport", "local"), "2", "--transport: 'local' runs the ranks as threads of one "
+    (("--transport", "local"), "2", "--transport: 'local' runs the ranks itself (threads of one "
                                     "process"),
     (("--ep", "2", "--transport", "local"), None,
      "--transport: 'local' (ranks as threads of one process) is not offered on a GPU"),
@@ -124,7 +126,7 @@ def test_the_moe_suite_hands_over_to_the_expert_parallel_bench(monkeypatch):
     assert moe.modes_from_args(_args("--ep", "2")) == ep_rows.ROWS
     assert moe.configs_from_args(args, False) == moe_ep.configs_from_args(args, False)
     calls = []
-    monkeypatch.setattr(moe_ep, "run", lambda quick, a: calls.append((quick, a)) or {"x": 1})
+    monkeypatch.setattr(moe_ep, "run", lambda quick, a, **kw: calls.append((quick, a)) or {"x": 1})
     assert moe.run(quick=True, args=args) == {"x": 1}
     assert calls == [(True, args)]
     assert moe.modes_from_args(_args()) == moe.MODES      # without --ep: the one-GPU modes
@@ -196,7 +198,7 @@ def test_the_table_gives_ratios_and_says_what_did_not_run(capsys):
              "results": results}
     moe_ep.print_table("mixtral-8x7b", entry)
     out = capsys.readouterr().out
-    assert "nccl chunks           not available: x" in out
+    assert "nccl chunks         not available: x" in out
     assert "1, 0, 1 of 23 calls" in out
     assert "time slice" in out                       # processes sharing a GPU: said so
     lines = [line for line in out.splitlines() if line.startswith("live rows")]

@@ -1,10 +1,16 @@
 """``graphstash.tables``: the one table printer of the library and the command, plain text and
-Markdown, whole or row by row."""
+Markdown, whole or row by row; and no other module lays out a table by hand."""
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 
 from graphstash.tables import Column, Table, format_table
+
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def test_a_whole_table_aligns_text_left_and_numbers_right():
     text = format_table([Column("mode"), Column("step ms", ".2f"), Column("note")],
@@ -44,3 +50,21 @@ def test_bad_arguments_are_named():
         Column("a", align="centre")
     with pytest.raises(ValueError, match="values: expected at most 1"):
         Table(["a"]).row([1, 2])
+
+
+# Hand-made layout: a dashed underline, padding to a width, a width in a format spec.
+HAND_MADE = re.compile(r"\{[^}]*:[<>^]\d+|\.rjust\(|\.ljust\(|[\"']-[\"'] \* ")
+
+
+def test_no_module_lays_out_a_table_by_hand():
+    """Every table of the library and the command goes through graphstash.tables (the memory
+    report, the stash plan, the offload summary, the demo, the memory command and every bench
+    suite print with it)."""
+    found = []
+    for path in sorted((ROOT / "graphstash").rglob("*.py")):
+        if path.name == "tables.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if HAND_MADE.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert found == [], "\n".join(found)
