@@ -4,6 +4,9 @@ alternated), the clock read inside the process around the imports.
 
     python benchmarks/probes/import_time.py --runs 5
 
+(from the checkout's root: the processes import the graphstash found first on their path,
+the current directory's).
+
 prints the medians of ``import torch`` alone and of ``import torch; import graphstash``, their
 difference, the median of ``import graphstash`` timed alone after ``import torch`` in the same
 process (less exposed to a loaded machine), and which heavy modules ``import graphstash`` left loaded (NOTE [import time] in

@@ -37,19 +37,9 @@ class Bar:
             total=total, desc=desc, unit=unit, leave=leave, disable=None, file=sys.stderr,
             dynamic_ncols=True)
 
-    @property
-    def shown(self) -> bool:
-        """Whether the bar draws itself (stderr is a terminal and tqdm is installed)."""
-        return self._bar is not None and not self._bar.disable
-
     def update(self, n: int = 1) -> None:
         if self._bar is not None:
             self._bar.update(n)
-
-    def describe(self, desc: str) -> None:
-        """Change the text before the bar."""
-        if self._bar is not None:
-            self._bar.set_description_str(desc)
 
     def close(self) -> None:
         if self._bar is not None:

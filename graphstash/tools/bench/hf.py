@@ -467,11 +467,10 @@ def run(quick: bool = False, args=None, *, device=None, compile_kwargs: dict | N
                                              compile_kwargs=compile_kwargs, on_call=bar.update)
                 overall.update()
                 res = runs[run_name]
+                add_comparisons(runs)          # against the runs finished so far
                 if res.get("error") is not None:
-                    add_comparisons(runs)
                     table.span(run_name, f"failed: {res['error']}")
                     continue
-                add_comparisons(runs)
                 if not all(n in runs for n in hf_runs):
                     pending.append(run_name)
                     res = dict(res, ratio_to_best_hf=None, peak_ratio_to_best_hf=None)
