@@ -32,3 +32,26 @@ def untraced(fn):
             def __enter__(self): ...
     """
     return torch.compiler.disable(fn, recursive=True)
+
+
+# NOTE [constant results without dynamo]: ``torch.compiler.assume_constant_result(fn)`` imports
+# ``torch._dynamo`` (about a second, the larger part of ``import graphstash``) only to set one
+# attribute on ``fn``; dynamo reads that attribute when it meets a call of ``fn`` and puts the
+# call's result into the graph as a constant. Functions marked at import time set it here
+# without the import; ``tests/test_imports.py`` checks that torch's decorator still sets exactly
+# this attribute, so a torch that changes the mechanism fails a test instead of tracing ``fn``.
+CONSTANT_RESULT_ATTRIBUTE = "_dynamo_marked_constant"
+
+
+def constant_result(fn):
+    """``fn`` marked as ``torch.compiler.assume_constant_result`` marks it, without importing
+    ``torch._dynamo`` (NOTE [constant results without dynamo]): while ``torch.compile`` traces,
+    a call of ``fn`` runs eagerly and its result is a constant of the graph.
+
+    Example::
+
+        @constant_result
+        def availability() -> tuple[bool, str]: ...
+    """
+    setattr(fn, CONSTANT_RESULT_ATTRIBUTE, True)
+    return fn

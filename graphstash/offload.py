@@ -35,6 +35,7 @@ from ._checks import describe, normalize_device, require_positive_int
 from ._saved import HookContext, Kept, RetireQueue
 from ._saved.host import HostCopier, HostHandle, HostPool, StorageRecord, host_movable, storage_key
 from .errors import SavedTensorsError
+from .tables import Column, Table
 
 __all__ = ["ActivationOffloader", "HostPool"]
 
@@ -513,21 +514,14 @@ class ActivationOffloader:
         return format_bytes_table(rows)
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.2f}"
-
-
 def format_bytes_table(rows: list[dict[str, int]]) -> str:
-    """Rows (one per rank) of {column: bytes} as an ASCII table in MiB, ``total`` last."""
+    """Rows (one per rank) of {column: bytes} as a text table in MiB, ``total`` last."""
     columns: list[str] = []
     for row in rows:
         for name in row:
             if name != "total" and name not in columns:
                 columns.append(name)
     columns.append("total")
-    header = ["rank"] + columns
-    body = [[str(rank)] + [_mib(row.get(c, 0)) for c in columns] for rank, row in enumerate(rows)]
-    widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
-    line = "-+-".join("-" * w for w in widths)
-    fmt = lambda cells: " | ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join(["offloaded MiB per group", fmt(header), line] + [fmt(r) for r in body])
+    table = Table([Column("rank")] + [Column(c, ".2f") for c in columns])
+    return table.render([[rank] + [row.get(c, 0) / 2**20 for c in columns]
+                         for rank, row in enumerate(rows)], title="offloaded MiB per group")

@@ -19,7 +19,9 @@ def _args(*argv):
 
 
 @pytest.mark.parametrize("argv, world, gpu, launch", [
-    (("--ep", "2"), None, False, Launch("threads", 2, "local")),
+    (("--ep", "2"), None, False, Launch("processes", 2, "gloo")),
+    (("--ep", "2", "--transport", "gloo"), None, False, Launch("processes", 2, "gloo")),
+    (("--ep", "2", "--device", "cpu"), None, True, Launch("processes", 2, "gloo")),
     (("--ep", "2"), None, True, Launch("processes", 2, "ipc")),
     (("--ep", "4", "--transport", "local"), None, False, Launch("threads", 4, "local")),
     (("--ep", "2", "--transport", "ipc"), None, True, Launch("processes", 2, "ipc")),
@@ -50,7 +52,7 @@ BAD = [
     (("--transport", "ipc"), None, "--ep: expected the number of expert-parallel ranks"),
     (("--ep", "4"), "2", "--ep: expected the launcher's WORLD_SIZE=2 (one rank per process), "
                          "got 4"),
-    (("--transport", "local"), "2", "--transport: 'local' runs the ranks as threads of one "
+    (("--transport", "local"), "2", "--transport: 'local' runs the ranks itself (threads of one "
                                     "process"),
     (("--ep", "2", "--transport", "local"), None,
      "--transport: 'local' (ranks as threads of one process) is not offered on a GPU"),
@@ -124,7 +126,7 @@ def test_the_moe_suite_hands_over_to_the_expert_parallel_bench(monkeypatch):
     assert moe.modes_from_args(_args("--ep", "2")) == ep_rows.ROWS
     assert moe.configs_from_args(args, False) == moe_ep.configs_from_args(args, False)
     calls = []
-    monkeypatch.setattr(moe_ep, "run", lambda quick, a: calls.append((quick, a)) or {"x": 1})
+    monkeypatch.setattr(moe_ep, "run", lambda quick, a, **kw: calls.append((quick, a)) or {"x": 1})
     assert moe.run(quick=True, args=args) == {"x": 1}
     assert calls == [(True, args)]
     assert moe.modes_from_args(_args()) == moe.MODES      # without --ep: the one-GPU modes
@@ -196,7 +198,7 @@ def test_the_table_gives_ratios_and_says_what_did_not_run(capsys):
              "results": results}
     moe_ep.print_table("mixtral-8x7b", entry)
     out = capsys.readouterr().out
-    assert "nccl chunks           not available: x" in out
+    assert "nccl chunks         not available: x" in out
     assert "1, 0, 1 of 23 calls" in out
     assert "time slice" in out                       # processes sharing a GPU: said so
     lines = [line for line in out.splitlines() if line.startswith("live rows")]
@@ -233,3 +235,49 @@ def test_graph_step_takes_release_warmup_cache_as_a_bool():
         is False
     with pytest.raises(TypeError, match="release_warmup_cache: expected a bool, got str"):
         graph_step(lambda: None, release_warmup_cache="no")
+
+
+# ---- ranks as spawned processes: a failed rank stops the others --------------------------------
+def _spawn(function: str, timeout_s: float) -> tuple[dict, float]:
+    """``spawn_processes(2, None, <function of tests/_spawned_ranks.py>)`` in a fresh process
+    (a hard deadline of its own); what it returned or the RankError's text, and its seconds."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    import time
+
+    tests = pathlib.Path(__file__).resolve().parent
+    code = ("import json, _spawned_ranks\n"
+            "from graphstash.tools.bench import ep_ranks\n"
+            "try:\n"
+            f"    out = {{'ok': ep_ranks.spawn_processes(2, None, _spawned_ranks.{function}, "
+            f"collective_timeout_s={timeout_s})}}\n"
+            "except ep_ranks.RankError as exc:\n"
+            "    out = {'error': str(exc)}\n"
+            "print(json.dumps(out))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")]))
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=240)
+    seconds = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1]), seconds
+
+
+def test_a_failed_spawned_rank_stops_the_others_and_shows_its_own_error():
+    """Rank 1 fails while rank 0 waits for it in a collective whose timeout is 300 s: torch's
+    process starter ends rank 0 at once and the error is rank 1's own traceback."""
+    out, seconds = _spawn("one_rank_fails", timeout_s=300.0)
+    assert "error" in out, out
+    assert out["error"].startswith("rank 1 of 2 failed (the other ranks were stopped)")
+    assert "KeyError" in out["error"] and "rank one's own error" in out["error"]
+    assert seconds < 120, seconds                  # not the collective's 300 s
+
+
+def test_spawned_ranks_return_their_values_in_rank_order():
+    out, _ = _spawn("every_rank_answers", timeout_s=120.0)
+    assert out == {"ok": [{"rank": 0, "largest": 1.0, "gathered": [0, 10]},
+                          {"rank": 1, "largest": 1.0, "gathered": [0, 10]}]}, out

@@ -70,3 +70,15 @@ def test_a_step_told_not_to_release_the_warmup_cache_captures_without_it(monkeyp
     for _ in range(4):
         step(torch.randn(8, 64, device="cuda"))
     assert step.stats.captures == 1 and step.stats.replays == 2
+
+
+def test_profile_gives_each_rank_the_exchange_kernels_share(monkeypatch):
+    """``--ep 2 --profile`` on one GPU: each rank's profile of the transport rows finds the
+    live-row exchange's kernels (``gs_xchg_*``) beside the grouped GEMMs and the optimizer."""
+    entry = _run(monkeypatch, "--transport", "ipc", "--profile", "--modes", "live rows")
+    kernels = entry["results"]["live rows"]["kernels"]
+    assert len(kernels) == 2, kernels                       # one per rank, in rank order
+    for k in kernels:
+        shares = k["shares"]
+        assert shares["exchange"] > 0 and shares["grouped GEMM"] > 0, shares
+        assert shares["optimizer"] > 0 and sum(shares.values()) == pytest.approx(1.0)

@@ -16,6 +16,7 @@ rank``), the model from seed 0 on every row, as the bench does.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from graphstash import _exchange_layout as X
@@ -219,3 +220,67 @@ def test_bench_loop_measures_every_row_on_two_gloo_ranks():
     from _ranks import run_ranks
 
     run_ranks(_bench_loop_ranks, 2)
+
+
+def _profile_ranks(rank: int, world: int):
+    """``--ep 2 --profile`` on two gloo ranks: every rank profiles each row's calls after the
+    timed ones (here a stand-in for torch.profiler that sees the calls and names kernels: CUDA
+    kernels are not there to record on the CPU), the shares reach rank 0 in rank order, and
+    its table gives one line per row and rank with the exchange's share."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from graphstash.stash import StashConfig
+    from graphstash.tools.bench import kernel_share, moe_ep
+    from graphstash.tools.bench.ep_ranks import ProcessRanks
+    from graphstash.tools.training import quiet_cpu_graph_step
+
+    calls = []
+
+    def fake_profile(fn, steps):
+        for _ in range(steps):
+            fn()
+            calls.append(1)
+        exchange = 100.0 * (rank + 1)
+        return kernel_share.shares([("gs_xchg_push_v16", exchange),
+                                    ("ncclDevKernel_SendRecv", exchange),
+                                    ("GemmUniversal<GroupProblemShape<>>", 600.0),
+                                    ("FusedAdamMathFunctor", 200.0)], steps)
+
+    torch.set_num_threads(1)
+    original, moe_ep.profile_steps = moe_ep.profile_steps, fake_profile
+    try:
+        ranks = ProcessRanks(dist.group.WORLD, torch.device("cpu"), launch="torchrun",
+                             transport="gloo")
+        rows = ("eager peer", "live rows")
+        plan = moe_ep.Plan(moe_ep.Launch("torchrun", world, "gloo"), {"tiny": _config()}, rows,
+                           steps=1, fit=(), profile=True,
+                           stash=StashConfig(policy="always", min_tensor_bytes=0, page_size=4))
+        printed = io.StringIO()
+        with quiet_cpu_graph_step(False), contextlib.redirect_stdout(printed):
+            out = moe_ep.run_rank(ranks, plan)
+    finally:
+        moe_ep.profile_steps = original
+    assert len(calls) == len(rows) * moe_ep.PROFILE_STEPS      # the rows' calls, profiled
+    for row in rows:
+        kernels = out["tiny"]["results"][row]["kernels"]
+        assert [k["shares"]["exchange"] for k in kernels] == [
+            pytest.approx(200 / 1000), pytest.approx(400 / 1200)], (row, kernels)
+        assert out["tiny"]["results"][row]["calls"] == 4 + moe_ep.PROFILE_STEPS
+    text = printed.getvalue()
+    if rank == 0:
+        assert "kernel time per step on each rank" in text
+        lines = [line.split() for line in text.splitlines() if line.startswith("live rows ")]
+        # the main table's row, then one line per rank: rank, kernel ms, kernels, the shares
+        assert [line[2:4] for line in lines[1:]] == [["0", "0.33"], ["1", "0.40"]], lines
+        assert lines[1][5:10] == ["20.0%", "60.0%", "0.0%", "20.0%", "0.0%"], lines
+    else:
+        assert text == ""                                      # rank 0 prints
+
+
+def test_expert_parallel_profile_gives_each_rank_its_shares():
+    from _ranks import run_ranks
+
+    run_ranks(_profile_ranks, 2)

@@ -1,5 +1,5 @@
-"""``graphstash bench moe --profile``: kernels grouped by name into grouped GEMMs, other GEMMs,
-the optimizer and the rest (names as torch.profiler gives them on an H100/H200: CUTLASS's
+"""``graphstash bench moe --profile``: kernels grouped by name into the exchange, grouped GEMMs,
+other GEMMs, the optimizer and the rest (names as torch.profiler gives them on an H100/H200: CUTLASS's
 grouped kernel of ``torch._grouped_mm``, cuBLAS's, the fused AdamW and foreach kernels)."""
 from __future__ import annotations
 
@@ -33,7 +33,24 @@ NAMES = {
     "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
     "std::array<char*, 1ul> >(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)": "rest",
     "Memcpy DtoD (Device -> Device)": "rest",
+    # the live-row exchange's kernels (raw_kernels/moe_exchange.cu) and NCCL's
+    "gs_xchg_barrier": "exchange",
+    "gs_xchg_counts": "exchange",
+    "gs_xchg_map": "exchange",
+    "gs_xchg_push_v16": "exchange",
+    "gs_xchg_flags": "exchange",
+    "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": "exchange",
+    "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "exchange",
 }
+
+
+def test_every_exchange_kernel_is_named_as_the_exchange():
+    """Each entry point the exchange's source registers falls in the exchange group (names
+    read from the launcher, so a new kernel there is checked too)."""
+    from graphstash import _kernels
+
+    _, kernels = _kernels.sources()["moe_exchange"]
+    assert kernels and all(kernel_group(k) == "exchange" for k in kernels), kernels
 
 
 @pytest.mark.parametrize("name", list(NAMES))

@@ -32,8 +32,10 @@ def test_demo_runs_on_cpu_and_its_loss_falls(capsys):
     assert losses[-1] < 0.95 * losses[0], losses          # the target map is being learnt
     used, spilled, pool = results["stash"]["pages"]
     assert 0 < used <= pool
-    out = capsys.readouterr().out
-    assert "no CUDA GPU in use" in out and "eager + budget + stash" in out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "graphstash demo: note: no CUDA GPU in use" in captured.err      # a diagnostic
+    assert "no CUDA GPU" not in out and "eager + budget + stash" in out
     assert "pages peak/pool" in out
 
 
@@ -136,6 +138,13 @@ def test_bad_flag_stops_before_any_work_with_one_line(capsys, tmp_path, monkeypa
     monkeypatch.setattr(training, "build", no_work)
     monkeypatch.setattr(demo.PagedStashBuffer, "__init__", no_work)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # bench never runs here
+    line = _the_one_error_line(capsys, argv)
+    assert line.startswith(f"graphstash {argv[0]}: error: ") and message in line, line
+
+
+def _the_one_error_line(capsys, argv) -> str:
+    """The one line ``graphstash argv`` prints on stderr as it exits with status 2, printing
+    nothing on stdout."""
     with pytest.raises(SystemExit) as info:
         cli.main(argv)
     assert info.value.code == 2
@@ -143,7 +152,7 @@ def test_bad_flag_stops_before_any_work_with_one_line(capsys, tmp_path, monkeypa
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith(f"graphstash {argv[0]}: error: ") and message in lines[0], lines
+    return lines[0]
 
 
 @pytest.mark.parametrize("argv, flag", [(["memory", "--mode", "fast"], "--mode"),
@@ -161,12 +170,15 @@ def test_argparse_choices_name_the_flag(capsys, argv, flag):
 
 def test_capacity_factor_below_one_is_noted_before_the_gpu_check(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cli.main(["bench", "moe", "--capacity-factor", "0.5"]) == 2
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "moe", "--capacity-factor", "0.5"])
+    assert info.value.code == 2
     captured = capsys.readouterr()
     notes = [line for line in captured.err.splitlines() if "--capacity-factor" in line]
     assert notes == ["graphstash bench: note: --capacity-factor 0.5 is below 1: rows will be "
                      "over budget (each flagged step is rerun dropless)"]
-    assert "need a CUDA GPU" in captured.out
+    assert captured.out == "" and "graphstash bench: error: benchmarks time GPU kernels and " \
+        "need a CUDA GPU" in captured.err
 
 
 def test_validators_name_the_flag_and_accept_good_values():
@@ -187,25 +199,153 @@ def test_bench_suite_help_describes_the_suite_and_the_gpu(capsys, suite):
     with pytest.raises(SystemExit) as info:
         cli.build_parser().parse_args(["bench", suite, "--help"])
     assert info.value.code == 0
-    out = " ".join(capsys.readouterr().out.split())
+    text = capsys.readouterr().out
+    out = " ".join(text.split())
     assert f"usage: graphstash bench {suite}" in out
     assert "Needs a CUDA GPU" in out
     if suite != "all":
         from graphstash.tools.bench import suite_module
 
-        first = " ".join(suite_module(suite).__doc__.split("\n\n")[0].split())
-        assert first in out
+        assert "".join(suite_module(suite).DESCRIPTION.split()) in "".join(text.split())
     if suite in ("moe", "all"):
         assert "--capacity-factor" in out and "--preset" in out and "--profile" in out
         for mode in ("plain compiled eager", "plain compiled graph", "graph + budget compiled"):
             assert mode in out
-    elif suite == "hf":
+    if suite in ("hf", "all"):
         for option in ("--preset", "--layers", "--batch", "--seq", "--steps", "--runs",
                        "olmoe-1b-7b", "graphstash + compile + graph_step",
                        "HF grouped_mm + compile (reduce-overhead)"):
             assert option in out, option
-    else:
+    if suite not in ("moe", "hf", "all"):
         assert "--preset" not in out
+
+
+@pytest.mark.parametrize("argv", [[], ["info"], ["demo"], ["memory"], ["bench"]]
+                         + [["bench", suite] for suite in SUITES + ("all",)])
+def test_help_is_short_and_plain(capsys, argv):
+    """Every command's and suite's help describes it in a few lines of plain text: no
+    reStructuredText markup from the modules' docstrings (they stay for the docs)."""
+    with pytest.raises(SystemExit) as info:
+        cli.build_parser().parse_args([*argv, "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    description = text.split("\n\n")[1]            # after the usage block
+    assert len(description.splitlines()) <= 8, description
+    for markup in ("``", ":mod:", ":func:", ":class:", ":data:", "NOTE" + " ["):
+        assert markup not in text, (markup, text)
+
+
+def test_version_is_written_once_and_printed(capsys):
+    """``graphstash --version`` prints graphstash.__version__, which pyproject.toml reads (its
+    version is dynamic: the one place it is written is graphstash/__init__.py)."""
+    import pathlib
+    import tomllib
+
+    import graphstash
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"graphstash {graphstash.__version__}"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and project["project"]["dynamic"] == ["version"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == \
+        {"attr": "graphstash.__version__"}
+
+
+def test_the_version_is_read_without_importing_torch(tmp_path):
+    """setuptools reads ``graphstash.__version__`` from the source, as ``pip install -e .``
+    does in its isolated build environment, where torch is not installed."""
+    import pathlib
+    import subprocess
+    import sys
+
+    import graphstash
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    code = ("import sys; sys.modules['torch'] = None\n"      # import torch fails
+            "from setuptools.config.expand import read_attr\n"
+            f"print(read_attr('graphstash.__version__', root_dir={str(root)!r}))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == graphstash.__version__
+
+
+def test_python_dash_m_graphstash_runs_the_command():
+    import pathlib
+    import subprocess
+    import sys
+
+    import graphstash
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "graphstash", "--version"], cwd=root,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"graphstash {graphstash.__version__}"
+
+
+# ---- one error format --------------------------------------------------------------------------
+ARGPARSE_ERRORS = [
+    (["bench", "moe", "--steps", "abc"], "graphstash bench: error: --steps: expected an int, "
+                                         "got 'abc'"),
+    (["bench", "all", "--steps", "abc"], "graphstash bench: error: --steps: expected an int, "
+                                         "got 'abc'"),
+    (["bench", "moe", "--capacity-factor", "x"],
+     "graphstash bench: error: --capacity-factor: expected a number, got 'x'"),
+    (["memory", "--mode", "fast"], "graphstash memory: error: --mode: expected one of dropless, "
+                                   "budget, stash, got 'fast'"),
+    (["demo", "--steps"], "graphstash demo: error: --steps: expected a value, got none"),
+    (["bench", "moe", "--frobnicate"], "graphstash bench: error: --frobnicate: not an option of "
+                                       "graphstash bench moe (graphstash bench moe --help lists "
+                                       "them)"),
+    (["bench", "nothing"], "graphstash bench: error: suite: expected one of kernels, stash, "
+                           "graph, moe, offload, hf, all, got 'nothing'"),
+    ([], "graphstash: error: command: expected a value, got none"),
+    (["bench", "all", "--ep", "2"], "graphstash bench: error: --ep: only the moe suite takes "
+                                    "it, run alone"),
+    (["bench", "all", "--runs", "HF compiled"], "--runs: expected names from"),
+    (["bench", "all", "--steps", "3"], "graphstash bench: error: --steps: expected an int >= 4, "
+                                       "got 3 (bench all hands it to the hf suite)"),
+    (["bench", "kernels", "--device", "cpu"], "graphstash bench: error: --device: cpu runs the "
+                                              "moe and hf suites only; kernels times GPU kernels"),
+    (["bench", "moe", "--device", "cpu", "--profile"], "graphstash bench: error: --profile: "
+                                                       "the kernel-time shares are read from "
+                                                       "CUDA kernels"),
+]
+
+
+@pytest.mark.parametrize("argv, message", ARGPARSE_ERRORS)
+def test_every_mistake_is_one_line_naming_the_flag(capsys, monkeypatch, argv, message):
+    """Values of the wrong type, unknown options and choices, and flags a command cannot take
+    read as the flag checks do: one line on stderr, ``graphstash <command>: error: <flag>:
+    ...``, exit status 2, nothing on stdout."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = _the_one_error_line(capsys, argv)
+    assert message in line and line.startswith(f"graphstash {argv[0]}: error: " if argv
+                                               else "graphstash: "), line
+
+
+def test_bench_all_forwards_each_flag_to_the_suite_that_takes_it():
+    from graphstash.tools.bench import forward
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench", "all", "--preset", "olmoe-1b-7b", "--runs",
+                              "graphstash + compile", "--batch", "2", "--layers", "3",
+                              "--steps", "6", "--hidden", "64", "--ffn", "96", "--experts", "4",
+                              "--topk", "2"])
+    hf_args, moe_args = forward.suite_args(args, "hf"), forward.suite_args(args, "moe")
+    assert (hf_args.hf_preset, hf_args.hf_runs, hf_args.hf_batch, hf_args.hf_layers,
+            hf_args.hf_steps) == ("olmoe-1b-7b", "graphstash + compile", 2, 3, 6)
+    assert moe_args.preset is None and (moe_args.hidden, moe_args.layers, moe_args.steps) == \
+        (64, 3, 6)
+    args = parser.parse_args(["bench", "all", "--preset", "mixtral-8x7b"])
+    assert forward.suite_args(args, "moe").preset == "mixtral-8x7b"
+    assert forward.suite_args(args, "hf").hf_preset is None
+    one = parser.parse_args(["bench", "hf", "--preset", "mixtral"])
+    assert forward.suite_args(one, "hf") is one
 
 
 def test_bench_options_before_or_after_the_suite():

@@ -18,6 +18,7 @@ import torch
 from raw_kernels import KERNEL_DIR, TUNABLES_HEADER, int_defines, source_path
 
 from .._checks import forbid_capture
+from .._untraced import constant_result
 from ..errors import BackendUnavailableError
 
 # Tunables compiled into the kernels with -D. Their defaults are written once, in
@@ -59,7 +60,7 @@ def _import_cupy():
     return cupy
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def availability() -> tuple[bool, str]:
     """Whether the CuPy kernels can run here, and why (or why not). Never raises.
 

@@ -85,7 +85,7 @@ def _check_arguments(step_fn, model, optimizer, stash_manager, steps, warmup, ca
 
 def profile(step_fn: Callable, *args, model=None, optimizer=None, stash_manager=None,
             steps: int = 1, warmup: int = 0, device=None, capture: bool = False,
-            max_entries: int = DEFAULT_MAX_ENTRIES) -> MemoryReport:
+            max_entries: int = DEFAULT_MAX_ENTRIES, snapshot: bool = False) -> MemoryReport:
     """Run ``step_fn(*args)`` and report where its memory is at its peak.
 
     Args:
@@ -104,6 +104,9 @@ def profile(step_fn: Callable, *args, model=None, optimizer=None, stash_manager=
             one call in a CUDA graph (and ``steps - 1`` replays of it), which is the memory a
             graphed step holds.
         max_entries: allocator history entries kept (CUDA).
+        snapshot: CUDA only: keep torch's memory snapshot of the recording (the allocator's
+            segments and its history, with Python stacks) as ``report.snapshot``;
+            ``report.write_snapshot(path)`` writes it for PyTorch's memory_viz page.
 
     Example::
 
@@ -123,6 +126,11 @@ def profile(step_fn: Callable, *args, model=None, optimizer=None, stash_manager=
     on_cuda = dev.type == "cuda"
     if capture and not on_cuda:
         raise ValueError(f"capture: expected False on {dev}: CUDA graphs need a CUDA device")
+    if not isinstance(snapshot, bool):
+        raise TypeError(f"snapshot: expected a bool, got {type(snapshot).__name__}")
+    if snapshot and not on_cuda:
+        raise ValueError(f"snapshot: expected False on {dev}: torch's memory snapshot records "
+                         "the CUDA caching allocator")
     graph = _warm_up(step_fn, args, warmup, dev, capture)
 
     def owners():
@@ -195,7 +203,9 @@ def profile(step_fn: Callable, *args, model=None, optimizer=None, stash_manager=
     del held, graph
     return MemoryReport(device=str(dev), peak=peak, peak_event=peak_event, blocks=blocks,
                         events=events, static_bytes=static_bytes(end_owners, dev),
-                        allocator_peak=allocator_peak, marks=marks, notes=notes)
+                        allocator_peak=allocator_peak, marks=marks, notes=notes,
+                        snapshot=recording.snapshot if snapshot and recording is not None
+                        else None)
 
 
 def _ran(result):

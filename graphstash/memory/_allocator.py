@@ -47,6 +47,7 @@ class AllocatorRecording:
     allocator_peak: int         # max_memory_allocated during the recording
     truncated: bool             # the history filled max_entries: its oldest part is lost
     times_us: list              # time_us of each event (for placing marks)
+    snapshot: dict = dataclasses.field(default=None, repr=False)   # torch's, as it was read
 
 
 def _device_index(device: torch.device) -> int:
@@ -113,7 +114,7 @@ class AllocatorRecorder:
         for b in blocks:
             b.in_graph_pool = _in_ranges(b.addr, pools)
         return AllocatorRecording(blocks, events, allocator_peak,
-                                  len(trace) >= self.max_entries, times)
+                                  len(trace) >= self.max_entries, times, snapshot)
 
 
 def _replay(before: list, trace: list):

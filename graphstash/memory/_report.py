@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from ..tables import Column, Table
 from ._static import GRADIENTS, INPUTS, OPTIMIZER_STATE, PARAMETERS, STASH_POOL
 from ._storage import BACKWARD, FORWARD
 
@@ -15,6 +16,8 @@ OTHER = "other"
 OWNERS = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, GRAPH_POOL, STASH_POOL, SAVED_ACTIVATIONS,
           TEMPORARIES, INPUTS, OTHER)
 MIB = float(2 ** 20)
+_OWNER_TOTALS = (Column("owner"), Column("bytes", align="right"), Column("share", align="right"))
+_BLOCKS = (Column("owner"), Column("detail"), Column("bytes", align="right"), Column("blocks"))
 
 
 @dataclasses.dataclass
@@ -102,6 +105,7 @@ class MemoryReport:
     allocator_peak: int | None = None
     marks: list = dataclasses.field(default_factory=list, repr=False)  # (event, label)
     notes: list = dataclasses.field(default_factory=list, repr=False)
+    snapshot: dict | None = dataclasses.field(default=None, repr=False)  # profile(snapshot=)
 
     @property
     def activation_peak(self) -> int:
@@ -154,8 +158,9 @@ class MemoryReport:
                 series[o].append(current[o])
         return xs, series
 
-    def table(self, top: int = 12, min_bytes: int = 0) -> str:
-        """The report as plain text: peak, owner totals, then the largest rows per owner."""
+    def table(self, top: int = 12, min_bytes: int = 0, fmt: str = "text") -> str:
+        """The report as text: peak, owner totals, then the largest rows per owner; ``fmt``:
+        ``"text"`` or ``"md"`` (Markdown tables, :mod:`graphstash.tables`)."""
         totals = self.owner_totals
         lines = [f"peak: {_mib(self.peak)} on {self.device}"
                  + (f" (the allocator counts {_mib(self.allocator_peak)}: whole blocks)"
@@ -168,19 +173,19 @@ class MemoryReport:
         pool = self.graph_pool_bytes_at_peak
         if pool:
             lines.append(f"of the peak, {_mib(pool)} lie in CUDA-graph pools")
-        lines += [""] + _format_rows(["owner", "bytes", "share"],
-                                     [[o, _mib(n), f"{n / max(self.peak, 1):.1%}"]
-                                      for o, n in totals.items() if n])
-        lines += ["", "blocks alive at the peak, by owner and detail:"]
+        lines += ["", Table(_OWNER_TOTALS, fmt).render(
+            [[o, _mib(n), f"{n / max(self.peak, 1):.1%}"] for o, n in totals.items() if n])]
+        lines += ["", "blocks alive at the peak, by owner and detail:"] + \
+            ([""] if fmt == "md" else [])
         rows = []
         shown: dict = {}
         for owner, detail, n, count in self.rows:
             if shown.get(owner, 0) >= top or n < min_bytes:
                 continue
             shown[owner] = shown.get(owner, 0) + 1
-            rows.append([owner, detail or "-", _mib(n), str(count)])
-        lines += _format_rows(["owner", "detail", "bytes", "blocks"], rows)
-        lines += [f"note: {n}" for n in self.notes]
+            rows.append([owner, detail or "-", _mib(n), count])
+        lines.append(Table(_BLOCKS, fmt).render(rows))
+        lines += ([""] if fmt == "md" else []) + [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -194,6 +199,19 @@ class MemoryReport:
             if event <= self.peak_event:
                 label = text
         return label
+
+    def write_snapshot(self, path) -> str:
+        """Write torch's memory snapshot of the recording (``profile(snapshot=True)``, CUDA) to
+        ``path`` as a pickle, the file PyTorch's memory_viz page
+        (https://pytorch.org/memory_viz) loads; returns the path."""
+        import pickle
+
+        if self.snapshot is None:
+            raise ValueError("snapshot: this report holds none (profile(..., snapshot=True) "
+                             "on a CUDA device keeps it)")
+        with open(path, "wb") as f:
+            pickle.dump(self.snapshot, f)
+        return str(path)
 
     def plot(self, path) -> str:
         """Write the memory timeline (bytes by owner over the allocation events) to ``path``
@@ -231,20 +249,6 @@ def _alive(b: Block, event: int | None) -> bool:
     if event is None:
         return b.start < 0 and (b.end is None or b.end >= 0)
     return b.start <= event and (b.end is None or b.end > event)
-
-
-def _format_rows(header: list, rows: list) -> list:
-    cells = [header] + rows
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    numeric = [i > 0 and all(r[i][:1].isdigit() or r[i] == "-" for r in rows)
-               for i in range(len(header))]
-    out = []
-    for k, r in enumerate(cells):
-        out.append("  ".join(v.rjust(w) if numeric[i] else v.ljust(w)
-                             for i, (v, w) in enumerate(zip(r, widths))).rstrip())
-        if k == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return out
 
 
 def peak_of(blocks: list, events: list) -> tuple[int, int | None]:

@@ -138,9 +138,9 @@ class StashManager:
         "why"}``; empty before any warmup step measured demand."""
         return [dict(row) for row in self.scheduler.plan.rows]
 
-    def plan_table(self) -> str:
-        """:meth:`plan` as a text table (bytes in MiB)."""
-        return self.scheduler.plan.table()
+    def plan_table(self, fmt: str = "text") -> str:
+        """:meth:`plan` as a table (bytes in MiB) in ``fmt``: ``"text"`` or ``"md"``."""
+        return self.scheduler.plan.table(fmt)
 
     def begin_step(self) -> None:
         """Start a step: reset every buffer's rings and forget the previous step's groups.

@@ -19,6 +19,7 @@ with nothing in between; the group keeps its tensors instead and takes no pages.
 from __future__ import annotations
 
 from .. import _layout as L
+from ..tables import Column, Table
 from ._group import Group
 from ._schedule import Event, kept_last
 from .config import StashConfig
@@ -98,11 +99,12 @@ class StashPlan:
         self.made = True
         self.keep_all = not stash
 
-    def table(self) -> str:
-        """:attr:`rows` as a text table (bytes in MiB)."""
-        lines = [f"{'group':>5}  {'name':<16}{'budget MiB':>11}{'live MiB':>10}  stashed  why"]
-        for r in self.rows:
-            lines.append(f"{r['group']:>5}  {str(r['name']):<16}{r['budget_bytes'] / 2**20:>11.1f}"
-                         f"{r['live_bytes'] / 2**20:>10.1f}  {'yes' if r['stashed'] else 'no':<7}"
-                         f"  {r['why']}")
-        return "\n".join(lines)
+    def table(self, fmt: str = "text") -> str:
+        """:attr:`rows` as a table (bytes in MiB) in ``fmt``: ``"text"`` or ``"md"``."""
+        return Table(_PLAN, fmt).render([[r["group"], str(r["name"]), r["budget_bytes"] / 2**20,
+                              r["live_bytes"] / 2**20, "yes" if r["stashed"] else "no",
+                              r["why"]] for r in self.rows])
+
+
+_PLAN = (Column("group"), Column("name"), Column("budget MiB", ".1f"), Column("live MiB", ".1f"),
+         Column("stashed"), Column("why"))

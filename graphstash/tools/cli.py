@@ -1,18 +1,39 @@
 """The ``graphstash`` command: ``info``, ``demo``, ``bench`` and ``memory``.
 
-Run it as ``graphstash ...`` (the installed script) or ``python -m graphstash.tools.cli ...``.
-A flag with a value the command cannot use stops it before any work, with one line naming
-the flag on stderr and exit status 2 (:mod:`graphstash.tools.options`).
+Run it as ``graphstash ...`` (the installed script), ``python -m graphstash ...`` or
+``python -m graphstash.tools.cli ...``; ``graphstash --version`` prints the version. A flag with
+a value the command cannot use, of the wrong type or unknown stops it before any work, with
+one line naming the flag on stderr and exit status 2 (:mod:`graphstash.tools.options`,
+:mod:`graphstash.tools.parser`); notes and errors go to stderr, results to stdout.
 """
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
 
 import torch
 
 from . import options
+from .parser import CommandParser, fail, parse
+
+SUMMARY = "a CUDA-graph-first GPU memory runtime for PyTorch training"
+COMMANDS = {
+    "info": ("versions, GPUs, and which backend would run", None),
+    "demo": ("train the reference MoE model with graph_step and stashing (on the CPU: "
+             "eagerly, small)",
+             "Trains the reference MoE model for a few steps in each mode (eager dropless, "
+             "graph + budget, graph + budget + stash) from the same initialisation and prints "
+             "what each cost; --mode paging exercises a bare paged stash buffer. Without a GPU "
+             "it runs eagerly on the CPU, small."),
+    "bench": ("benchmarks, each next to its baseline in the same run (a CUDA GPU; moe and hf "
+              "also on the CPU with --device cpu)", None),
+    "memory": ("where the memory of a training step is: the peak, the blocks alive at it by "
+               "owner, a timeline (on the CPU: reduced)",
+               "Builds the reference MoE model, runs warmup steps, records one step and prints "
+               "its peak, the static footprint, the activation peak, the owner totals and the "
+               "blocks alive at the peak; --plot writes the timeline, --snapshot torch's memory "
+               "snapshot (CUDA). On the CPU the sizes are reduced."),
+}
 
 
 def _info(args) -> int:
@@ -66,38 +87,43 @@ def _memory(args) -> int:
     return memory_command.run(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def version() -> str:
+    import graphstash
+
+    return graphstash.__version__
+
+
+def build_parser() -> CommandParser:
+    """The command's parser: one sub-command per entry of :data:`COMMANDS`, each with a short
+    plain description (the modules' docstrings are for the documentation)."""
     from . import bench, demo, memory_command
 
-    parser = argparse.ArgumentParser(prog="graphstash", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("info", help="versions, GPUs, and which backend would run")
-    p.set_defaults(func=_info)
-    p = sub.add_parser("demo", help="train the reference MoE model with graph_step and stashing "
-                       "(on the CPU: eagerly, small)", description=demo.__doc__.split("\n\n")[0])
-    demo.add_arguments(p)
-    p.set_defaults(func=_demo)
-    p = sub.add_parser("bench", help="benchmarks, each next to its baseline in the same run "
-                       "(needs a CUDA GPU)")
-    bench.add_arguments(p)
-    p.set_defaults(func=_bench)
-    p = sub.add_parser("memory", help="where the memory of a training step is: the peak, the "
-                       "blocks alive at it by owner, a timeline (on the CPU: reduced)",
-                       description=memory_command.__doc__.split("\n\n")[0])
-    memory_command.add_arguments(p)
-    p.set_defaults(func=_memory)
+    parser = CommandParser(prog="graphstash", description=f"graphstash: {SUMMARY}.")
+    parser.add_argument("--version", action="version", version=f"graphstash {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help=", ".join(COMMANDS))
+    funcs = {"info": _info, "demo": _demo, "bench": _bench, "memory": _memory}
+    adders = {"demo": demo.add_arguments, "bench": bench.add_arguments,
+              "memory": memory_command.add_arguments}
+    for name, (summary, description) in COMMANDS.items():
+        p = sub.add_parser(name, help=summary, description=description or summary[:1].upper()
+                           + summary[1:] + ".")
+        if name in adders:
+            adders[name](p)
+        p.set_defaults(func=funcs[name])
     return parser
 
 
 def main(argv=None) -> int:
     """Run the command ``argv`` (default: ``sys.argv[1:]``); returns the exit status. A bad
     flag value exits with status 2 after one line on stderr naming the flag."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(build_parser(), argv)
+    args.argv = argv                  # the command line, for the results' provenance
     try:
         return args.func(args)
     except options.FlagError as exc:
-        print(f"graphstash {args.command}: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        fail(args.command, str(exc))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ import torch
 from .. import runtime
 from ..models import MoEConfig
 from ..paging import PagedStashBuffer
-from . import options, training
+from ..tables import Column, Table
+from . import options, progress, training
 
 TRAINING_MODES = ("stash", "budget", "dropless", "all")
 MODES = TRAINING_MODES + ("paging",)
@@ -107,16 +108,6 @@ def _stash_pages(manager) -> tuple[int, int, int]:
             sum(b["num_device_pages"] for b in buffers))
 
 
-def _progress(steps: int, mode: str):
-    """A live progress bar on a terminal where tqdm is installed (it turns itself off when
-    output is not a TTY); else the plain range. Its ``write`` prints a line either way."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(range(steps), desc=f"  {mode}", unit="step", leave=False, disable=None)
-
-
 def _train(mode: str, config: MoEConfig, dev, dtype, batches, steps: int, seed: int) -> dict:
     """Train ``steps`` steps in ``mode``; returns the losses and the numbers of the table."""
     from ..stash import StashConfig
@@ -135,9 +126,8 @@ def _train(mode: str, config: MoEConfig, dev, dtype, batches, steps: int, seed: 
     every = max(1, steps // 5)
     timed_from = min(training.WARMUP + 1, steps - 1) if graphed else min(1, steps - 1)
     losses, timed_s = [], 0.0
-    bar = _progress(steps, mode)
-    write = print if bar is None else bar.write
-    for i in (range(steps) if bar is None else bar):
+    bar = progress.bar(steps, f"  {mode}")
+    for i in range(steps):
         shown = i % every == 0 or i == steps - 1
         before = train_step.stats if graphed and shown else None
         x, y = batches[i % len(batches)]
@@ -149,10 +139,10 @@ def _train(mode: str, config: MoEConfig, dev, dtype, batches, steps: int, seed: 
         losses.append(loss)
         if shown:
             after = train_step.stats if graphed else None
-            write(f"  step {i + 1:>4}/{steps}  loss {float(loss):.4f}  "
-                  f"{_what_ran(before, after, on_gpu)}")
-        if bar is not None:
-            bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+            progress.write(f"  step {i + 1}/{steps}  loss {float(loss):.4f}  "
+                           f"{_what_ran(before, after, on_gpu)}")
+        bar.update()
+    bar.close()
     step_ms = timed_s / (steps - timed_from) * 1e3
     losses = [float(v) for v in losses]
     result = {"losses": losses, "step_ms": step_ms, "peak_mib": None,
@@ -186,20 +176,21 @@ def _what_ran(before, after, on_gpu: bool) -> str:
     return "eager (warmup)" if on_gpu else "eager"
 
 
+_COLUMNS = (Column("mode"), Column("step ms", ".2f"), Column("peak MiB", ".1f", align="right"),
+            Column("pages peak/pool", align="right"), Column("spilled", align="right"),
+            Column("overflows"), Column("over budget"), Column("reruns"))
+
+
 def _print_table(results: dict, on_gpu: bool) -> None:
-    print()
-    head = (f"{'mode':<24}{'step ms':>9}{'peak MiB':>10}{'pages peak/pool':>17}"
-            f"{'spilled':>9}{'overflows':>11}{'over budget':>13}{'reruns':>8}")
-    print(head)
-    print("-" * len(head))
+    rows = []
     for mode, r in results.items():
-        label = _label(mode, on_gpu)
-        peak = f"{r['peak_mib']:.1f}" if r["peak_mib"] is not None else "-"
         used, spilled, pool = r["pages"]
-        pages = f"{used}/{pool}" if mode == "stash" else "-"
-        spill = str(spilled) if mode == "stash" else "-"
-        print(f"{label:<24}{r['step_ms']:>9.2f}{peak:>10}{pages:>17}{spill:>9}"
-              f"{r['overflows']:>11}{r['over_budget']:>13}{r['reruns']:>8}")
+        rows.append([_label(mode, on_gpu), r["step_ms"], r["peak_mib"],
+                     f"{used}/{pool}" if mode == "stash" else None,
+                     spilled if mode == "stash" else None, r["overflows"], r["over_budget"],
+                     r["reruns"]])
+    print()
+    print(Table(_COLUMNS).render(rows))
     if not on_gpu:
         print("peak memory is measured on CUDA devices only")
 
@@ -245,8 +236,8 @@ def run(device: str = "auto", steps: int = 20, size: str = "auto", mode: str = "
     dtype = torch.bfloat16 if on_gpu else torch.float32
     backend, why = runtime.backend_for(dev)
     if not on_gpu:
-        print("graphstash demo: no CUDA GPU in use, so the step runs eagerly on the CPU (no CUDA "
-              "graph) with the reference backend and a small configuration")
+        options.note("demo", "no CUDA GPU in use, so the step runs eagerly on the CPU (no CUDA "
+                     "graph) with the reference backend and a small configuration")
     print(f"device {dev}, {str(dtype).replace('torch.', '')}, backend {backend} ({why})")
     print(f"MoE: {config.layers} layers, hidden {config.hidden}, ffn {config.ffn}, "
           f"{config.num_experts} experts top-{config.topk}, {config.num_tokens} tokens/step, "
@@ -283,8 +274,8 @@ def run_paging(device: str = "auto", steps: int = 20, hidden: int | None = None,
     buf = PagedStashBuffer(int(1.1 * layers * average), hidden, dtype=dtype, device=dev,
                            page_size=page_size, host_tokens=layers * average // 4)
     if not on_gpu:
-        print("graphstash demo: no CUDA GPU in use, running a small configuration on the CPU "
-              "with the reference backend")
+        options.note("demo", "no CUDA GPU in use, running a small configuration on the CPU "
+                     "with the reference backend")
     print(f"device {dev}, backend {buf.backend} ({buf.backend_reason})")
     print(f"{layers} layers x static buffer [{budget}, {hidden}] {dtype}; "
           f"pool: {buf.num_device_pages} device + {buf.num_host_pages} host pages of {page_size} rows")
@@ -332,14 +323,13 @@ def run_paging(device: str = "auto", steps: int = 20, hidden: int | None = None,
     static_bytes = layers * budget * row_bytes
     pool_bytes = buf.num_device_pages * buf.page_bytes
     print()
-    print(f"{'steps':<28}{steps}")
-    print(f"{'rows checked byte for byte':<28}{checked}")
-    print(f"{'steps that spilled to host':<28}{spilled_steps}")
-    print(f"{'steps that overflowed':<28}{overflow_steps}")
-    print(f"{'peak pages in use':<28}{peak_pages}")
-    print(f"{'static buffers kept (MiB)':<28}{static_bytes / 2**20:.1f}  (without stashing)")
-    print(f"{'device pool (MiB)':<28}{pool_bytes / 2**20:.1f}  (with stashing)")
-    print(f"{'time per step (ms)':<28}{elapsed / steps * 1e3:.1f}")
+    print(Table([Column("paging demo"), Column("")]).render([
+        ["steps", steps], ["rows checked byte for byte", checked],
+        ["steps that spilled to host", spilled_steps], ["steps that overflowed", overflow_steps],
+        ["peak pages in use", peak_pages],
+        ["static buffers kept (MiB)", f"{static_bytes / 2**20:.1f}  (without stashing)"],
+        ["device pool (MiB)", f"{pool_bytes / 2**20:.1f}  (with stashing)"],
+        ["time per step (ms)", f"{elapsed / steps * 1e3:.1f}"]]))
     if overflow_steps:
         print("some steps overflowed: their handles stored nothing (the flag said so) and their "
               "rows were not checked")

@@ -10,6 +10,9 @@ the peak; ``--plot FILE`` writes the timeline. On a GPU the graphed modes record
 captures the step into a CUDA graph and the next call (a replay). On the CPU the sizes not
 given by a flag are capped (:data:`CPU_LIMITS`) and the model runs eagerly in float32 with
 the reference backend; the header shows every size as it runs and says which were reduced.
+``--snapshot FILE`` writes torch's memory snapshot of the recording (CUDA only: the file
+PyTorch's memory_viz page loads); ``--format md`` prints the tables as Markdown with the run's
+source line. A progress bar on stderr (a terminal only) counts the steps.
 Flags are checked before anything is built (:mod:`graphstash.tools.options`).
 """
 from __future__ import annotations
@@ -20,7 +23,8 @@ import torch
 
 from ..memory import profile
 from ..models import PRESETS, MoEConfig, preset
-from . import options, training
+from ..tables import FORMATS
+from . import options, progress, provenance, training
 
 MODES = ("dropless", "budget", "stash")
 # On the CPU every size not given by a flag is capped (a reduced run of the same structure).
@@ -56,6 +60,11 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="auto",
                    help=f"{', '.join(options.DEVICES)} (default auto: the GPU if torch sees one)")
     p.add_argument("--top", type=int, default=12, help="rows listed per owner (default 12)")
+    p.add_argument("--snapshot", default=None, metavar="FILE",
+                   help="write torch's memory snapshot of the recorded steps to FILE (a pickle "
+                   "for https://pytorch.org/memory_viz; CUDA only)")
+    p.add_argument("--format", choices=FORMATS, default="text",
+                   help="text (default) or md: Markdown tables with the run's source line")
 
 
 def check_flags(args) -> torch.device:
@@ -68,6 +77,11 @@ def check_flags(args) -> torch.device:
     options.positive_int("--top", args.top)
     options.capacity_factor("--capacity-factor", args.capacity_factor, command="memory")
     options.plot_file("--plot", args.plot)
+    options.output_file("--snapshot", args.snapshot)
+    if args.snapshot is not None and dev.type != "cuda":
+        raise options.FlagError(f"--snapshot: torch's memory snapshot records the CUDA caching "
+                                f"allocator; the run is on {dev}, which has none (--device "
+                                "cuda on a GPU)")
     return dev
 
 
@@ -103,7 +117,7 @@ def _stash_config(mode: str, dev: torch.device):
     from ..stash import StashConfig
 
     if dev.type == "cuda":
-        from .bench.moe import stash_config
+        from .bench.moe_setup import stash_config
 
         return stash_config(dev)
     # The reduced model's saved tensors are small: let all of them be candidates.
@@ -130,13 +144,14 @@ def header(args, config: MoEConfig, reduced: dict, dtype, dev, on_gpu: bool) -> 
 
 def run(args) -> int:
     """Check the flags, build, warm up and record one step; print the report (and write the
-    plot)."""
+    plot and the snapshot)."""
     dev = check_flags(args)
     on_gpu = dev.type == "cuda"
     config, reduced = sizes(args, on_gpu)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     graphed = args.mode != "dropless"
     captured = on_gpu and graphed
+    fmt = getattr(args, "format", "text")
     print(header(args, config, reduced, dtype, dev, on_gpu))
     if captured:
         print(f"recorded: the CUDA graph capture of the step by graph_step and the next "
@@ -144,19 +159,34 @@ def run(args) -> int:
     else:
         where = "eagerly" if on_gpu else "eagerly on the CPU (no CUDA graph), reference backend"
         print(f"recorded: one step {where}, after {WARMUP} warmup steps")
-    with training.quiet_cpu_graph_step(on_gpu):
+    steps = 2 if captured else 1
+    with training.quiet_cpu_graph_step(on_gpu), \
+            progress.bar(WARMUP + steps, "memory: warmup, then the recorded steps") as bar:
         run_ = training.build(config, args.mode, dev, dtype, graphed=graphed,
                               stash=_stash_config(args.mode, dev), warmup=WARMUP)
         x, y = training.batches(config, 1, seed=SEED, device=dev, dtype=dtype)[0]
-        report = profile(run_.step, x, y, model=run_.model, optimizer=run_.optimizer,
-                         stash_manager=run_.stash_manager, warmup=WARMUP,
-                         steps=2 if captured else 1, device=dev)
+
+        def step(*batch):
+            out = run_.step(*batch)
+            bar.update()
+            return out
+
+        report = profile(step, x, y, model=run_.model, optimizer=run_.optimizer,
+                         stash_manager=run_.stash_manager, warmup=WARMUP, steps=steps,
+                         device=dev, snapshot=args.snapshot is not None)
     if run_.stash_manager is not None and run_.stash_manager.plan():
         print("\nstash plan (from the warmup measurement):")
-        print(run_.stash_manager.plan_table())
+        if fmt == "md":
+            print()
+        print(run_.stash_manager.plan_table(fmt))
     print()
-    print(report.table(top=args.top))
+    print(report.table(top=args.top, fmt=fmt))
+    if fmt == "md":
+        print(f"\nsource: {provenance.line(provenance.collect(getattr(args, 'argv', None)))}")
     if args.plot:
         print(f"wrote {report.plot(args.plot)}")
+    if args.snapshot:
+        print(f"wrote {report.write_snapshot(args.snapshot)} (torch's memory snapshot: open it "
+              "in https://pytorch.org/memory_viz)")
     run_.release()
     return 0

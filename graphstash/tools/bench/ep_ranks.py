@@ -36,11 +36,13 @@ import json
 import os
 import tempfile
 import threading
+import time
 import traceback
 
 import torch
 
 EXCHANGE_TIMEOUT_S = 120.0      # a first step at real widths, or ranks time-slicing one GPU
+COLLECTIVE_TIMEOUT_S = 600.0    # the spawned ranks' gloo group: a rank compiling its kernels
 
 
 class RankError(RuntimeError):
@@ -75,7 +77,8 @@ class ProcessRanks:
         self.ranks_per_device = ranks_per_device
         self.timeout_s = timeout_s
         self.leader = True              # device-wide actions: each process owns its own
-        self.peer_group = group if launch == "torchrun" else None
+        # the peers' collectives: NCCL under torchrun, gloo on the CPU; none on a shared GPU
+        self.peer_group = group if launch == "torchrun" or transport == "gloo" else None
         self._on_device = dist.get_backend(group) == "nccl"
 
     def sync(self) -> None:
@@ -109,6 +112,14 @@ class ProcessRanks:
         import torch.distributed as dist
 
         return self._reduce(values, dist.ReduceOp.MIN)
+
+    def gather(self, value) -> list:
+        """Every rank's ``value`` (picklable), in rank order, on every rank; a collective."""
+        import torch.distributed as dist
+
+        out = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
 
     def device_total(self, value: float) -> float:
         """``value`` summed over the ranks whose memory statistics are shared (here: its own)."""
@@ -157,13 +168,20 @@ class ThreadRanks:
 
         self.sync()
         if self.leader:
-            self._shared.transports = build_local_transports(
-                self.world_size, device=self.device, timeout_s=self._shared.timeout_s, **sizes)
+            try:
+                self._shared.transports = build_local_transports(
+                    self.world_size, device=self.device, timeout_s=self._shared.timeout_s,
+                    **sizes)
+            except ValueError as exc:         # refused here: refused for every rank
+                self._shared.transports = exc
         self.sync()
-        mine = self._shared.transports[self.rank]
+        built = self._shared.transports
+        mine = built if isinstance(built, ValueError) else built[self.rank]
         self.sync()
         if self.leader:
             self._shared.transports = []      # each rank holds its own; the row frees them
+        if isinstance(mine, ValueError):
+            raise ValueError(str(mine))
         return mine
 
     def _combine(self, values: list, fn) -> list:
@@ -179,6 +197,18 @@ class ThreadRanks:
 
     def largest(self, values: list) -> list:
         return self._combine(values, max)
+
+    def gather(self, value) -> list:
+        """Every rank's ``value``, in rank order, on every rank."""
+        self.sync()
+        if self.leader:
+            self._shared.slots = [None] * self.world_size
+        self.sync()
+        self._shared.slots[self.rank] = value
+        self.sync()
+        out = list(self._shared.slots)
+        self.sync()
+        return out
 
     def smallest(self, values: list) -> list:
         return self._combine(values, min)
@@ -232,58 +262,88 @@ def run_threads(world_size: int, device: torch.device, fn, *args,
     return results
 
 
-def _process_main(rank: int, world_size: int, device_index: int, tmp: str, fn, args) -> None:
-    path = os.path.join(tmp, f"rank{rank}.json")
-    try:
-        import torch.distributed as dist
+def _process_main(rank: int, world_size: int, device_index, tmp: str,
+                  collective_timeout_s: float, fn, args) -> None:
+    """One spawned rank (``torch.multiprocessing.start_processes`` passes ``rank`` first): a
+    gloo group through a file store, ``fn(ranks, *args)``, its value written to
+    ``<tmp>/rank<r>.json``. A failure is written to ``<tmp>/rank<r>.error.json`` with its time
+    and whether it is a lost peer's consequence, then left to torch's starter."""
+    import torch.distributed as dist
 
-        torch.cuda.set_device(device_index)
+    try:
+        on_gpu = device_index is not None
+        if on_gpu:
+            torch.cuda.set_device(device_index)
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}",
                                 rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=600))
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
         try:
-            ranks = ProcessRanks(dist.group.WORLD, torch.device("cuda", device_index),
-                                 launch="processes", transport="ipc",
+            device = torch.device("cuda", device_index) if on_gpu else torch.device("cpu")
+            ranks = ProcessRanks(dist.group.WORLD, device, launch="processes",
+                                 transport="ipc" if on_gpu else "gloo",
                                  ranks_per_device=world_size)
             result = fn(ranks, *args)
         finally:
             dist.destroy_process_group()
-        with open(path, "w") as f:
-            json.dump({"ok": result}, f)
-    except BaseException:
-        with open(path, "w") as f:
-            json.dump({"error": traceback.format_exc()}, f)
-        os._exit(1)
+    except BaseException as exc:
+        with open(os.path.join(tmp, f"rank{rank}.error.json"), "w") as f:
+            json.dump({"time_ns": time.time_ns(), "text": traceback.format_exc(),
+                       "consequence": isinstance(exc, getattr(dist, "DistError", ()))}, f)
+        raise
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
 
 
-def spawn_processes(world_size: int, device_index: int, fn, *args) -> list:
-    """``fn(ranks, *args)`` in ``world_size`` spawned processes sharing GPU ``device_index``
-    (a gloo group through a file store; the transport is CUDA IPC); ``fn`` must be a
-    module-level function and return JSON-able values. Returns each rank's value, or raises
-    :class:`RankError` with the text of every rank that failed."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_process_main,
-                             args=(r, world_size, device_index, tmp, fn, args))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        results, failures = [], []
-        for r, p in enumerate(procs):
-            path = os.path.join(tmp, f"rank{r}.json")
-            if not os.path.exists(path):
-                failures.append(f"rank {r} wrote no result (exit code {p.exitcode})")
-                continue
+def first_failure(tmp: str, world_size: int):
+    """``(rank, traceback)`` of the failure that came first among the ranks' error files in
+    ``tmp`` (a failure of the collectives, the consequence of a lost peer, only where there is
+    no other), or None."""
+    found = []
+    for rank in range(world_size):
+        path = os.path.join(tmp, f"rank{rank}.error.json")
+        if os.path.exists(path):
             with open(path) as f:
                 got = json.load(f)
-            if "error" in got:
-                failures.append(f"rank {r} failed:\n{got['error']}")
-            else:
-                results.append(got["ok"])
-        if failures:
-            raise RankError("\n".join(failures))
+            found.append((got["consequence"], got["time_ns"], rank, got["text"]))
+    if not found:
+        return None
+    _, _, rank, text = min(found)
+    return rank, text
+
+
+def spawn_processes(world_size: int, device_index, fn, *args,
+                    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list:
+    """``fn(ranks, *args)`` in ``world_size`` spawned processes sharing GPU ``device_index``
+    (None: the CPU), a gloo group through a file store whose collectives time out after
+    ``collective_timeout_s`` (on a GPU the transport is CUDA IPC, whose exchanges time out
+    after :data:`EXCHANGE_TIMEOUT_S`); ``fn`` must be a module-level function and return
+    JSON-able values. Returns each rank's value.
+
+    The processes are started by torch's process starter
+    (``torch.multiprocessing.start_processes``): when a rank fails, the parent ends the others
+    at once and raises :class:`RankError` with the first failing rank's own traceback (the
+    others' lost connections are its consequence), so no rank is left waiting for one that
+    died: the others end at once, not when their collective or exchange times out."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        context = mp.start_processes(
+            _process_main, args=(world_size, device_index, tmp, collective_timeout_s, fn, args),
+            nprocs=world_size, join=False, start_method="spawn")
+        try:
+            while not context.join():
+                pass
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            first = first_failure(tmp, world_size)
+            if first is not None:
+                rank, text = first
+                raise RankError(f"rank {rank} of {world_size} failed (the other ranks were "
+                                f"stopped):\n{text}") from None
+            how = str(exc).strip()
+            raise RankError(f"rank {exc.error_index} of {world_size} failed (the other ranks "
+                            f"were stopped): {how}") from None
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                results.append(json.load(f))
         return results

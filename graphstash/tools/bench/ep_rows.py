@@ -46,6 +46,7 @@ MODEL_MODE = {"eager peer": "plain", "nccl chunks": "budget", "worst-case buffer
 LAUNCHES = ("torchrun", "processes", "threads")
 _NO_GROUP = {
     "processes": "the ranks share one GPU, where NCCL refuses to run ('Duplicate GPU detected')",
+    # (processes on the CPU run their collectives over gloo)
     "threads": "in-process ranks have no process group to run its collectives",
 }
 
@@ -57,7 +58,8 @@ def unavailable(row: str, launch: str, transport: str) -> str | None:
         raise ValueError(f"row: expected one of {ROWS}, got {row!r}")
     if launch not in LAUNCHES:
         raise ValueError(f"launch: expected one of {LAUNCHES}, got {launch!r}")
-    if row in PEER_ROWS and launch in _NO_GROUP:
+    if row in PEER_ROWS and launch in _NO_GROUP and not (launch == "processes"
+                                                         and transport == "gloo"):
         return f"not available: {_NO_GROUP[launch]}"
     if row in TRANSPORT_ROWS and transport == "nccl":
         return "not available: --transport nccl builds no live-row transport"

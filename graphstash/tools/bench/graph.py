@@ -9,12 +9,26 @@ reading the status when the GPU is already idle (event query and the pinned read
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 
 from ...graph import graph_step
+from ...tables import Column
+from .. import progress
+from ..output import Output
+from .spread import range_text, spread
+
+SUMMARY = "graph_step against the eager loop, launch-bound and compute-bound"
+DESCRIPTION = ("Times, in alternating rounds of the same run, the eager training loop, the step "
+               "decorated by graph_step (staging, replay, status read) and the bare replay of "
+               "its graph, on a launch-bound and a compute-bound model; prints the times, the "
+               "speed-up, the per-step overhead and the capture time.")
+COLUMNS = (Column("config", width=14), Column("eager ms", ".3f", width=8),
+           Column("graph ms", ".3f", width=8), Column("min-max ms", width=13, align="right"),
+           Column("replay ms", ".3f", width=9), Column("speedup", ".2f", width=7),
+           Column("overhead us", ".1f", width=11), Column("status us", ".1f", width=9),
+           Column("capture ms", ".1f", width=10))
 
 CONFIGS = {
     # many small layers: the eager step is bound by kernel launches
@@ -73,7 +87,8 @@ def _run_config(width, depth, batch, dtype, iters):
         samples["eager"].append(_time(eager, per_round))
         samples["step"].append(_time(lambda: train_step(x, y), per_round))
         samples["replay"].append(_time(graph.replay, per_round))
-    t_eager, t_step, t_replay = (statistics.median(samples[k]) for k in ("eager", "step", "replay"))
+    spreads = {k: spread(1e3 * t for t in samples[k]) for k in ("eager", "step", "replay")}
+    t_eager, t_step, t_replay = (spreads[k]["median"] / 1e3 for k in ("eager", "step", "replay"))
     torch.cuda.synchronize()
     reads = 200
     t0 = time.perf_counter()
@@ -85,8 +100,11 @@ def _run_config(width, depth, batch, dtype, iters):
     train_step.release()
     return {
         "eager_ms": 1e3 * t_eager,
+        "eager_ms_spread": spreads["eager"],
         "graph_step_ms": 1e3 * t_step,
+        "graph_step_ms_spread": spreads["step"],
         "bare_replay_ms": 1e3 * t_replay,
+        "bare_replay_ms_spread": spreads["replay"],
         "speedup": t_eager / t_step,
         "step_overhead_us": 1e6 * (t_step - t_replay),
         "status_read_us": status_read_us,
@@ -95,11 +113,13 @@ def _run_config(width, depth, batch, dtype, iters):
     }
 
 
-def run(quick: bool = False) -> dict:
-    """Time eager vs replayed training steps; print a table and return the numbers.
+def run(quick: bool = False, args=None, *, out: Output | None = None) -> dict:
+    """Time eager vs replayed training steps; print each configuration's row as soon as it is
+    measured (a progress bar on stderr) and return the numbers.
 
     Returns ``{config: {"eager_ms", "graph_step_ms", "bare_replay_ms", "speedup",
-    "step_overhead_us", "status_read_us", "capture_ms", "peak_memory_mib"}}``.
+    "step_overhead_us", "status_read_us", "capture_ms", "peak_memory_mib"}}``, each median
+    time with its ``*_spread`` beside it (the rounds' per-step times).
 
     Example::
 
@@ -109,19 +129,22 @@ def run(quick: bool = False) -> dict:
     """
     if not torch.cuda.is_available():
         raise RuntimeError("graphstash.tools.bench.graph: needs a CUDA GPU; none is visible")
+    out = Output() if out is None else out
     iters = 20 if quick else 100
     results = {}
-    for name, cfg in CONFIGS.items():
-        if quick and name == "compute_bound":
-            cfg = dict(cfg, width=4096, batch=4096)
-        results[name] = _run_config(iters=iters if name == "launch_bound" else max(5, iters // 5),
-                                    **cfg)
-    header = (f"{'config':<14} {'eager ms':>9} {'graph ms':>9} {'replay ms':>10} {'speedup':>8} "
-              f"{'overhead us':>12} {'status us':>10} {'capture ms':>11}")
-    print(header)
-    print("-" * len(header))
-    for name, r in results.items():
-        print(f"{name:<14} {r['eager_ms']:>9.3f} {r['graph_step_ms']:>9.3f} "
-              f"{r['bare_replay_ms']:>10.3f} {r['speedup']:>7.2f}x {r['step_overhead_us']:>12.1f} "
-              f"{r['status_read_us']:>10.1f} {r['capture_ms']:>11.1f}")
+    out.title(f"graph_step against the eager loop on {torch.cuda.get_device_name()}")
+    table = out.table(COLUMNS)
+    with progress.bar(len(CONFIGS), "bench graph", unit="config") as bar:
+        for name, cfg in CONFIGS.items():
+            if quick and name == "compute_bound":
+                cfg = dict(cfg, width=4096, batch=4096)
+            r = results[name] = _run_config(
+                iters=iters if name == "launch_bound" else max(5, iters // 5), **cfg)
+            table.row([name, r["eager_ms"], r["graph_step_ms"],
+                       range_text(r["graph_step_ms_spread"], ".3f"), r["bare_replay_ms"],
+                       r["speedup"], r["step_overhead_us"], r["status_read_us"],
+                       r["capture_ms"]])
+            bar.update()
+    out.note("graph ms: the decorated step (staging, replay, status read), min-max over the "
+             "rounds; overhead: it less the bare replay")
     return results

@@ -51,11 +51,22 @@ import statistics
 
 import torch
 
-from .. import options
+from ...tables import Column
+from .. import options, progress
+from ..output import Output
 from ..training import quiet_cpu_graph_step
 from . import failures
 from .meter import DeviceMeter
+from .spread import range_text, spread
 
+SUMMARY = ("HuggingFace MoE models trained as their users train them, and with graphstash's "
+           "experts backend")
+DESCRIPTION = ("Trains transformers MoE causal LMs (OLMoE-1B-7B widths, small Qwen3-MoE and "
+               "Mixtral) from one initialisation on one set of batches: HF's grouped_mm "
+               "backend eager, under graph_step and compiled, and graphstash's backend under "
+               "graph_step and compiled; prints per run the step time and its range, tokens/s, "
+               "the speed-up over HF eager, the time and peak over the best HF run, the "
+               "activation peak and the largest loss difference to HF eager.")
 WARMUP = 2          # eager graph_step calls before the capture; steps 0..WARMUP are not timed
 LR = 1e-4           # AdamW's learning rate in every run (NOTE [loss difference floor])
 
@@ -115,18 +126,24 @@ REFERENCE = "HF grouped_mm eager"
 HF_PEERS = tuple(name for name in RUNS if name.startswith("HF "))
 
 
-def add_arguments(parser) -> None:
-    """The hf suite's options on ``graphstash bench hf`` (``bench all`` runs the presets as
-    they are)."""
+SHARED_FLAGS = ("--preset", "--layers", "--steps")     # the moe suite has them too
+
+
+def add_arguments(parser, *, skip: tuple = ()) -> None:
+    """The hf suite's options on ``graphstash bench hf`` (``skip``: flags another suite's
+    options already hold: ``bench all`` gives the moe suite's to both, :mod:`.forward`)."""
     g = parser.add_argument_group("hf suite")
-    g.add_argument("--preset", dest="hf_preset", choices=sorted(CONFIGS), default=None,
-                   help="one model only (default: every preset)")
+    if "--preset" not in skip:
+        g.add_argument("--preset", dest="hf_preset", choices=sorted(CONFIGS), default=None,
+                       help="one model only (default: every preset)")
     for name, help_ in (("layers", "decoder layers (default: the preset's; olmoe-1b-7b 8)"),
                         ("batch", "sequences per step (default: the preset's; olmoe-1b-7b 4)"),
                         ("seq", "tokens per sequence (default: the preset's; olmoe-1b-7b "
                                 "2048)"),
                         ("steps", f"training steps per run, the first {WARMUP + 1} untimed "
                                   "(default: the preset's; olmoe-1b-7b 14)")):
+        if f"--{name}" in skip:
+            continue
         g.add_argument(f"--{name}", dest=f"hf_{name}", type=int, default=None, metavar="N",
                        help=help_)
     g.add_argument("--runs", dest="hf_runs", default=None, metavar="LIST",
@@ -233,14 +250,15 @@ def compile_arguments(mode: str | None, compile_kwargs: dict | None):
 
 
 def run_one(c: HFBenchConfig, name: str, device, data: list, *,
-            compile_kwargs: dict | None = None) -> dict:
+            compile_kwargs: dict | None = None, on_call=None) -> dict:
     """Train ``c`` on the batches ``data`` (``steps`` int64 ``[batch, seq_len]`` token ids on
     ``device``) the way run ``name`` of :data:`RUNS` says; returns its losses, step time,
     tokens/s, memory and graph_step's counters, or ``error`` (one line) if it failed.
 
     ``device``: a CUDA device; on the CPU (the tests) graph_step runs every step eagerly,
     times are the host clock's and memory figures None. ``compile_kwargs``: see
-    :func:`compile_arguments`.
+    :func:`compile_arguments`. ``on_call``: called without arguments after each step (a
+    progress bar). The median step time ``step_ms`` has its ``step_ms_spread`` beside it.
     """
     import graphstash
     import graphstash.integrations.transformers as gst
@@ -283,6 +301,8 @@ def run_one(c: HFBenchConfig, name: str, device, data: list, *,
                 if i > WARMUP:  # after the warmup and the capture (eager runs: the same steps)
                     times.append(ms)
                 result["losses"].append(float(loss))
+                if on_call is not None:
+                    on_call()
     except Exception as exc:            # reported in the table; the next run goes on
         result["error"] = failures.describe(exc)
     if result["error"] is None:
@@ -290,6 +310,7 @@ def run_one(c: HFBenchConfig, name: str, device, data: list, *,
         peak = meter.peak_above(base)
         static = static_footprint(model, opt, device=meter.device) if meter.on_gpu else None
         result["step_ms"] = statistics.median(times)
+        result["step_ms_spread"] = spread(times)
         result["tokens_per_s"] = tokens / (result["step_ms"] / 1e3)
         result["peak_mib"] = None if peak is None else peak / 2**20
         result["activation_peak_mib"] = None if peak is None else (peak - static) / 2**20
@@ -359,52 +380,71 @@ def _gib(mib):
     return None if mib is None else mib / 1024
 
 
-def print_runs(name: str, c: HFBenchConfig, runs: dict, where: str) -> None:
-    """The table of one model's runs, failed runs' reasons below it."""
-    from .timing import print_table
+COLUMNS = (Column("run", width=41), Column("step ms", ".1f", width=7),
+           Column("min-max ms", width=11, align="right"), Column("tokens/s", width=8,
+                                                                   align="right"),
+           Column("speed-up", ".3f", width=8), Column("/best HF", ".3f", width=8),
+           Column("peak GiB", ".3f", width=8), Column("peak/best HF", ".3f", width=12),
+           Column("act. peak GiB", ".3f", width=13),
+           Column("max rel loss diff", width=17, align="right"),
+           Column("reruns", width=6, align="right"))
 
-    def cell(v):
-        return "-" if v is None else v
 
-    rows, failed = [], []
+def _title(name: str, c: HFBenchConfig, where: str) -> str:
+    return (f"{name}: {c.layers} layers, hidden {c.hidden}, {c.num_experts} experts "
+            f"top-{c.topk}, ffn {c.ffn}, {c.heads} heads, vocab {c.vocab}, {c.batch} x "
+            f"{c.seq_len} = {c.batch * c.seq_len} tokens/step, AdamW, {c.steps} steps ({where})")
+
+
+def table_row(run: str, res: dict) -> list:
+    """The values of ``run``'s line (``res``: its figures, comparisons where known)."""
+    diff = res.get("max_rel_loss_diff")
+    return [run, res["step_ms"], range_text(res.get("step_ms_spread"), ".1f"),
+            f"{res['tokens_per_s'] / 1e3:.1f}k", res.get("speedup"), res.get("ratio_to_best_hf"),
+            _gib(res["peak_mib"]), res.get("peak_ratio_to_best_hf"),
+            _gib(res["activation_peak_mib"]), None if diff is None else f"{diff:.1e}",
+            res.get("reruns", "-")]
+
+
+def legend(runs: dict) -> str:
+    """The line under a model's table."""
+    best = best_hf(runs)
+    return (f"speed-up: the step time of {REFERENCE} over the run's; /best HF, peak/best HF: "
+            f"the run's over those of {best} (the fastest HF run); min-max: the timed steps' "
+            f"range; max rel loss diff: to {REFERENCE}, the largest over the steps "
+            f"('{REFERENCE} (again)': the reference's own spread, NOTE [loss difference floor])"
+            if best else "no HF run worked: nothing to compare with")
+
+
+def print_runs(name: str, c: HFBenchConfig, runs: dict, where: str,
+               out: Output | None = None) -> None:
+    """The table of one model's runs at once, failed runs' reasons in their rows."""
+    out = Output() if out is None else out
+    out.title(_title(name, c, where))
+    table = out.table(COLUMNS)
     for run, res in runs.items():
         if res.get("error") is not None:
-            failed.append((run, res["error"]))
-            rows.append([run, "failed"] + ["-"] * 9)
-            continue
-        rows.append([run, "ok", res["step_ms"], f"{res['tokens_per_s'] / 1e3:.1f}k",
-                     cell(res["speedup"]), cell(res["ratio_to_best_hf"]),
-                     cell(_gib(res["peak_mib"])), cell(res["peak_ratio_to_best_hf"]),
-                     cell(_gib(res["activation_peak_mib"])),
-                     "-" if res["max_rel_loss_diff"] is None else f"{res['max_rel_loss_diff']:.1e}",
-                     res.get("reruns", "-")])
-    tokens = c.batch * c.seq_len
-    print_table(f"{name}: {c.layers} layers, hidden {c.hidden}, {c.num_experts} experts "
-                f"top-{c.topk}, ffn {c.ffn}, {c.heads} heads, vocab {c.vocab}, {c.batch} x "
-                f"{c.seq_len} = {tokens} tokens/step, AdamW, {c.steps} steps ({where})",
-                ["run", "status", "step ms", "tokens/s", "speed-up", "/best HF", "peak GiB",
-                 "peak/best HF", "act. peak GiB", "max rel loss diff", "reruns"], rows)
-    best = best_hf(runs)
-    print(f"speed-up: the step time of {REFERENCE} over the run's; /best HF, peak/best HF: "
-          f"the run's over those of {best} (the fastest HF run); max rel loss diff: to "
-          f"{REFERENCE}, the largest over the steps ('{REFERENCE} (again)': the reference's "
-          "own spread, NOTE [loss difference floor])"
-          if best else "no HF run worked: nothing to compare with")
-    for run, why in failed:
-        print(f"  {run}: failed: {why}")
+            table.span(run, f"failed: {res['error']}")
+        else:
+            table.row(table_row(run, res))
+    out.note(legend(runs))
 
 
 def run(quick: bool = False, args=None, *, device=None, compile_kwargs: dict | None = None,
-        configs: dict | None = None) -> dict:
-    """Run the models and runs the command line selects; print one table per model; return
-    ``{model: {run: figures}}`` (each run's figures hold its ``config``).
+        configs: dict | None = None, out: Output | None = None) -> dict:
+    """Run the models and runs the command line selects; print one table per model, each run's
+    row as soon as it finished (its ratios to the best HF run once every HF run has run: rows
+    before get theirs in a line under the table), a progress bar per model and run on stderr;
+    return ``{model: {run: figures}}`` (each run's figures hold its ``config``).
 
     ``device``: default the current CUDA device; on the CPU every run is eager (the tests).
     ``compile_kwargs``: see :func:`compile_arguments`. ``configs``: ``{name: HFBenchConfig}``
-    to run instead of the presets (the tests' tiny models).
+    to run instead of the presets (the tests' tiny models). ``out``: where the tables go
+    (default: plain text on stdout).
     """
     from .timing import gpu_name
 
+    out = Output() if out is None else out
     if configs is None:
         configs = configs_from_args(args, quick)
     names = runs_from_args(args)
@@ -414,14 +454,39 @@ def run(quick: bool = False, args=None, *, device=None, compile_kwargs: dict | N
     where = ("bf16, " + gpu_name() if device.type == "cuda" else
              "bf16 on the CPU: graph_step runs eagerly, no memory figures")
     results = {}
-    for model_name, c in configs.items():
-        data = batches(c, device)
-        runs = {}
-        for run in names:
-            runs[run] = run_one(c, run, device, data, compile_kwargs=compile_kwargs)
-        add_comparisons(runs)
-        print_runs(model_name, c, runs, where)
-        for res in runs.values():
-            res["config"] = dataclasses.asdict(c)
-        results[model_name] = runs
+    hf_runs = [n for n in names if n in HF_PEERS]
+    with progress.bar(len(configs) * len(names), "bench hf", unit="run") as overall:
+        for model_name, c in configs.items():
+            data = batches(c, device)
+            out.title(_title(model_name, c, where))
+            table = out.table(COLUMNS)
+            runs, pending = {}, []
+            for run_name in names:
+                with progress.bar(c.steps, f"{model_name}: {run_name}") as bar:
+                    runs[run_name] = run_one(c, run_name, device, data,
+                                             compile_kwargs=compile_kwargs, on_call=bar.update)
+                overall.update()
+                res = runs[run_name]
+                add_comparisons(runs)          # against the runs finished so far
+                if res.get("error") is not None:
+                    table.span(run_name, f"failed: {res['error']}")
+                    continue
+                if not all(n in runs for n in hf_runs):
+                    pending.append(run_name)
+                    res = dict(res, ratio_to_best_hf=None, peak_ratio_to_best_hf=None)
+                table.row(table_row(run_name, res))
+            add_comparisons(runs)
+            if pending and best_hf(runs):
+                out.note("/best HF (peak/best HF) of the runs finished before the last HF run: "
+                         + "; ".join(f"{n} {_pair(runs[n])}" for n in pending))
+            out.note(legend(runs))
+            for res in runs.values():
+                res["config"] = dataclasses.asdict(c)
+            results[model_name] = runs
+    out.end()
     return results
+
+
+def _pair(res: dict) -> str:
+    ratio, peak = res.get("ratio_to_best_hf"), res.get("peak_ratio_to_best_hf")
+    return ("-" if ratio is None else f"{ratio:.3f}") + ("" if peak is None else f" ({peak:.3f})")

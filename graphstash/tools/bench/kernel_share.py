@@ -1,10 +1,14 @@
 """Where a training step's GPU time goes: kernel time from ``torch.profiler``, by kind of kernel.
 
 ``graphstash bench moe --profile`` profiles a few calls of each mode's step (graph replays
-for the graphed modes: the profiler records the kernels a graph launches) and prints the
-share of the summed kernel time in each group of :data:`GROUPS`, told apart by kernel name
-(:func:`kernel_group`):
+for the graphed modes: the profiler records the kernels a graph launches), and with ``--ep``
+each rank's calls of each row, and prints the share of the summed kernel time in each group of
+:data:`GROUPS`, told apart by kernel name (:func:`kernel_group`):
 
+- ``exchange``: moving rows between expert-parallel ranks: graphstash's live-row exchange
+  kernels (``gs_xchg_*`` of ``raw_kernels/moe_exchange.cu``: barrier, counts, map, push,
+  flags), NCCL's (``ncclDevKernel_*``: the peers' ``all_to_all_single``, NCCL chunks) and
+  NVSHMEM's;
 - ``grouped GEMM``: the expert GEMMs. ``torch._grouped_mm``'s CUTLASS kernels (their names
   carry ``GroupProblemShape`` or ``PtrArray``), graphstash's Triton grouped GEMM
   (``grouped_rows``, ``grouped_weight_grad``), anything else named ``grouped``;
@@ -25,7 +29,8 @@ from typing import Callable, Iterable
 
 import torch
 
-GROUPS = ("grouped GEMM", "other GEMM", "optimizer", "rest")
+GROUPS = ("exchange", "grouped GEMM", "other GEMM", "optimizer", "rest")
+_EXCHANGE = ("gs_xchg", "gs_exchange", "nccl", "nvshmem")
 _GROUPED = ("groupproblemshape", "ptrarray", "grouped")
 _DENSE = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul")
 
@@ -36,6 +41,8 @@ def kernel_group(name: str) -> str:
     if not isinstance(name, str):
         raise TypeError(f"name: expected a kernel name (str), got {type(name).__name__}")
     low = name.lower()
+    if any(key in low for key in _EXCHANGE):
+        return "exchange"
     if "adam" in low or ("multi_tensor_apply" in low and "copy" not in low):
         return "optimizer"
     if any(key in low for key in _GROUPED):

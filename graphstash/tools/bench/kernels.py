@@ -15,9 +15,23 @@ import time
 import torch
 
 from ...paging import PagedStashBuffer
-from .timing import capture, event_ms, gpu_name, print_table, time_replays
+from ...tables import Column
+from .. import progress
+from ..output import Output
+from .spread import spread
+from .timing import capture, event_ms, gpu_name, replay_samples
 
+SUMMARY = "stash + reload bandwidth next to torch copying the same bytes"
+DESCRIPTION = ("Times one stash and one reload of [rows, hidden] tensors with part of their rows "
+               "live, device tier and pinned-host tier, against torch copying the same live "
+               "bytes, both captured in CUDA graphs and timed with CUDA events in the same run; "
+               "prints the times, the bandwidth and their ratio per shape.")
 ITERS = 5   # stash + reload pairs per graph replay
+COLUMNS = (Column("tier", width=6), Column("dtype", width=8), Column("hidden", width=6),
+           Column("rows", width=6), Column("live", ".1f", width=4),
+           Column("live MiB", ".1f", width=8), Column("torch ms", ".3f", width=8),
+           Column("graphstash ms", ".3f", width=13), Column("torch GB/s", ".0f", width=10),
+           Column("graphstash GB/s", ".0f", width=15), Column("ratio", ".3f", width=5))
 
 
 def _measure(tier: str, dtype: torch.dtype, hidden: int, rows: int, live: float) -> dict:
@@ -45,8 +59,9 @@ def _measure(tier: str, dtype: torch.dtype, hidden: int, rows: int, live: float)
             flat_out[:live_elems].copy_(staging[:live_elems], non_blocking=True)
 
     g_base, g_ours = capture(baseline), capture(ours)
-    t_base = time_replays(g_base) / iters
-    t_ours = time_replays(g_ours) / iters
+    s_base = spread(t / iters for t in replay_samples(g_base))
+    s_ours = spread(t / iters for t in replay_samples(g_ours))
+    t_base, t_ours = s_base["median"], s_ours["median"]
     directions = _per_direction(buf, x, counts, out, staging, live_elems) if tier == "host" else {}
     ok = torch.equal(out[:n].view(torch.uint8), x[:n].view(torch.uint8))
     if not ok:
@@ -55,7 +70,8 @@ def _measure(tier: str, dtype: torch.dtype, hidden: int, rows: int, live: float)
     del g_base, g_ours
     return {"tier": tier, "dtype": str(dtype).replace("torch.", ""), "hidden": hidden,
             "rows": rows, "live": live, "live_mib": live_elems * x.element_size() / 2**20,
-            "torch_ms": t_base, "graphstash_ms": t_ours,
+            "torch_ms": t_base, "torch_ms_spread": s_base, "graphstash_ms": t_ours,
+            "graphstash_ms_spread": s_ours,
             "torch_gbs": moved / t_base / 1e6, "graphstash_gbs": moved / t_ours / 1e6,
             "ratio": t_base / t_ours, **directions}
 
@@ -102,9 +118,12 @@ def _host_time_per_call(calls: int = 300) -> dict:
             "torch_copy_us": t_copy / calls * 1e6}
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, args=None, *, out: Output | None = None) -> dict:
+    """Measure every shape (the headline cases with ``quick``), each row printed as soon as it
+    is measured, a progress bar on stderr; returns ``{"gpu", "results", "host_time"}``."""
     from ... import warmup
 
+    out = Output() if out is None else out
     warmup()
     headline = [("device", torch.bfloat16, 4096, 16384, 0.7), ("host", torch.bfloat16, 4096, 16384, 0.7),
                 ("device", torch.bfloat16, 4096, 16384, 0.0)]    # one live row: fixed cost
@@ -116,29 +135,33 @@ def run(quick: bool = False) -> dict:
             configs.append(("device", dtype, hidden, rows, live))
             if rows == 16384:
                 configs.append(("host", dtype, hidden, rows, live))
-    results = []
-    for cfg in configs:
-        results.append(_measure(*cfg))
-        torch.cuda.empty_cache()
-    cols = ["tier", "dtype", "hidden", "rows", "live", "live MiB", "torch ms", "graphstash ms",
-            "torch GB/s", "graphstash GB/s", "ratio"]
-    rows = [[r["tier"], r["dtype"], r["hidden"], r["rows"], r["live"], r["live_mib"], r["torch_ms"],
-             r["graphstash_ms"], r["torch_gbs"], r["graphstash_gbs"], r["ratio"]] for r in results]
-    host = _host_time_per_call()
     from ... import runtime
 
     dev = torch.device("cuda", torch.cuda.current_device())
     t = runtime.kernel_tunables()
-    print(f"\nkernel tunables: threads {t['threads']}, unroll {t['unroll']}, streaming "
-          f"{t['streaming']}, min blocks {t['min_blocks']}; persistent grid "
-          f"{runtime.resident_blocks(dev, 'paged_stash', 'gs_stash_v16')} blocks (stash), "
-          f"{runtime.resident_blocks(dev, 'paged_stash', 'gs_reload_v16')} (reload)")
-    print_table(f"stash + reload vs torch copy of the same live bytes on {gpu_name()} "
-                f"(ratio = torch time / graphstash time)", cols, rows)
+    out.line(f"kernel tunables: threads {t['threads']}, unroll {t['unroll']}, streaming "
+             f"{t['streaming']}, min blocks {t['min_blocks']}; persistent grid "
+             f"{runtime.resident_blocks(dev, 'paged_stash', 'gs_stash_v16')} blocks (stash), "
+             f"{runtime.resident_blocks(dev, 'paged_stash', 'gs_reload_v16')} (reload)")
+    out.title(f"stash + reload vs torch copy of the same live bytes on {gpu_name()} "
+              f"(ratio = torch time / graphstash time)")
+    table = out.table(COLUMNS)
+    results = []
+    with progress.bar(len(configs), "bench kernels", unit="shape") as bar:
+        for cfg in configs:
+            r = _measure(*cfg)
+            results.append(r)
+            torch.cuda.empty_cache()
+            table.row([r["tier"], r["dtype"], r["hidden"], r["rows"], r["live"], r["live_mib"],
+                       r["torch_ms"], r["graphstash_ms"], r["torch_gbs"], r["graphstash_gbs"],
+                       r["ratio"]])
+            bar.update()
+    host = _host_time_per_call()
     for r in results:
         if "stash_ratio" in r:
-            print(f"host tier {r['dtype']} {r['hidden']}x{r['rows']} live {r['live']}: stash/D2H "
-                  f"ratio {r['stash_ratio']:.3f}, reload/H2D ratio {r['reload_ratio']:.3f}")
-    print(f"\nhost time per eager call: stash {host['stash_us']:.1f} us, reload "
-          f"{host['reload_us']:.1f} us (torch slice copy_: {host['torch_copy_us']:.1f} us)")
+            out.note(f"host tier {r['dtype']} {r['hidden']}x{r['rows']} live {r['live']}: "
+                     f"stash/D2H ratio {r['stash_ratio']:.3f}, reload/H2D ratio "
+                     f"{r['reload_ratio']:.3f}")
+    out.note(f"host time per eager call: stash {host['stash_us']:.1f} us, reload "
+             f"{host['reload_us']:.1f} us (torch slice copy_: {host['torch_copy_us']:.1f} us)")
     return {"gpu": gpu_name(), "results": results, "host_time": host}

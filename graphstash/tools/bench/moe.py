@@ -33,19 +33,22 @@ the suite runs the expert-parallel rows instead, on N GPUs or N ranks sharing on
 (:mod:`graphstash.tools.bench.moe_ep`).
 
 Columns: step time (median of CUDA-event samples of back-to-back calls, each call a whole
-decorated step: staging, replay and status read), its ratio to the best peer of the same run
+decorated step: staging, replay and status read) and the samples' range (min-max; the JSON
+has the quartiles too), its ratio to the best peer of the same run
 (the fastest of the four plain modes that ran: the compiled peer graphed, where it ran, is
 the bar), the peak memory over the capture and the timed steps above the memory before the
 model was built (NOTE [steady-state peak]), the activation peak (that peak less parameters,
 gradients and optimizer state) and its ratio to the best peer's, the bytes each rank sends to
 other ranks per step (counted over one eager step), and the flags. ``--profile``: a second
-table per configuration gives each mode's kernel time per step and its shares in grouped
-GEMMs, other GEMMs, the optimizer and the rest (:mod:`~graphstash.tools.bench.kernel_share`;
-torch.profiler over a few steps after the timed ones).
+table per configuration gives each mode's kernel time per step and its shares in the exchange,
+grouped GEMMs, other GEMMs, the optimizer and the rest
+(:mod:`~graphstash.tools.bench.kernel_share`; torch.profiler over a few steps after the timed
+ones; CUDA only). Each row is printed as soon as its mode is measured, with a progress bar
+per configuration and mode on stderr; ``--device cpu`` runs the loop on the CPU (eagerly, the
+host clock, no memory figures: a smoke run, not a measurement).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import os
@@ -55,28 +58,24 @@ import torch
 
 from ...memory import static_footprint
 from ...models import PRESETS, MoEConfig
-from .. import options, training
-from . import failures
+from ...tables import Column
+from .. import options, progress, training
+from ..output import Output
+from . import failures, moe_ep
 from .kernel_share import GROUPS, profile_steps
 from .meter import DeviceMeter
+from .moe_setup import (CONFIGS, DTYPE, QUICK, configs_from_args as one_gpu_configs,
+                        count_exchange, stash_config)
+from .spread import range_text, spread
 
-# NOTE [bench budgets]: the launch-bound and memory-bound configurations size their static
-# buffers at twice the average rows a rank receives (capacity_factor=2.0), the worst case at
-# EP=2, so graph + budget never reruns there. The presets take capacity_factor=1.0 on one GPU:
-# exactly the T*K dropless rows (a top-k dispatch on one GPU always fills them), so there the
-# static budget holds no dead rows; expert-parallel runs pass --capacity-factor.
-CONFIGS = {
-    "launch-bound": MoEConfig(hidden=256, ffn=512, num_experts=8, topk=2, layers=12,
-                              num_tokens=1024, capacity_factor=2.0, pad_multiple=16),
-    "memory-bound": MoEConfig(hidden=1024, ffn=2048, num_experts=8, topk=2, layers=32,
-                              num_tokens=32768, capacity_factor=2.0, pad_multiple=16),
-}
-QUICK = {
-    "quick": MoEConfig(hidden=256, ffn=512, num_experts=8, topk=2, layers=4, num_tokens=1024,
-                       capacity_factor=2.0, pad_multiple=16),
-    "qwen3-30b-a3b (1 layer, 2048 tokens)": dataclasses.replace(
-        PRESETS["qwen3-30b-a3b"], layers=1, num_tokens=2048),
-}
+SUMMARY = "MoE training steps against the plain-PyTorch peer (one GPU; --ep N: expert parallel)"
+DESCRIPTION = ("Trains the reference MoE model one step at a time in each mode (the plain-PyTorch "
+               "peer eager, graphed and compiled; graphstash's dropless, budget, compiled and "
+               "stash modes) from the same initialisation and batches, and prints per mode the "
+               "step time and its range, the ratio to the fastest peer, peak and activation "
+               "memory, bytes sent and the flags. The presets run at real layer widths; "
+               "--ep N runs the expert-parallel rows instead. docs/moe-performance.md explains "
+               "every column.")
 MODES = ("plain eager", "plain graph", "plain compiled eager", "plain compiled graph",
          "eager dropless", "graph + budget", "graph + budget compiled", "graph + budget + stash")
 GRAPHED = ("plain graph", "plain compiled graph", "graph + budget", "graph + budget compiled",
@@ -88,18 +87,23 @@ MODEL_MODE = {"plain eager": "plain", "plain graph": "plain", "plain compiled ea
               "graph + budget": "budget", "graph + budget compiled": "budget",
               "graph + budget + stash": "stash"}
 PROFILE_STEPS = 3   # steps torch.profiler records per mode under --profile
-DTYPE = torch.bfloat16
+WARMUP_CALLS = 3    # calls before the timed ones: two eager warmups and the capture
+__all__ = ["CONFIGS", "COMPILED", "DTYPE", "GRAPHED", "MODES", "MODEL_MODE", "PEERS",
+           "PROFILE_STEPS", "QUICK", "add_arguments", "add_ratios", "best_peer",
+           "configs_from_args", "count_exchange", "cycling", "modes_from_args", "run",
+           "run_mode", "stash_config"]
 
 
-def add_arguments(parser) -> None:
-    """The MoE suite's options on ``graphstash bench``."""
+def add_arguments(parser, *, presets=None) -> None:
+    """The MoE suite's options on ``graphstash bench`` (``presets``: the names ``--preset``
+    takes, default the MoE presets; ``bench all`` adds the hf suite's)."""
     g = parser.add_argument_group("moe suite")
-    g.add_argument("--preset", choices=sorted(PRESETS), default=None,
+    g.add_argument("--preset", choices=sorted(presets or PRESETS), default=None,
                    help="one preset only (default: every preset and configuration)")
     g.add_argument("--profile", action="store_true",
-                   help=f"also profile {PROFILE_STEPS} steps of each mode (torch.profiler) and "
-                   "print the shares of kernel time in grouped GEMMs, other GEMMs, the "
-                   "optimizer and the rest")
+                   help=f"also profile {PROFILE_STEPS} steps of each mode (torch.profiler, CUDA "
+                   "only) and print the shares of kernel time in the exchange, grouped GEMMs, "
+                   "other GEMMs, the optimizer and the rest (with --ep: per rank)")
     for name, help_ in (("hidden", f"hidden width, a multiple of {options.HIDDEN_MULTIPLE}"),
                         ("ffn", "expert ffn width"),
                         ("experts", "experts in total"), ("topk", "experts per token"),
@@ -114,64 +118,20 @@ def add_arguments(parser) -> None:
     g.add_argument("--modes", default=None,
                    help=f"comma-separated subset of: {', '.join(MODES)} (with --ep: of the "
                    "expert-parallel rows)")
-    from . import moe_ep
-
     moe_ep.add_arguments(g)                 # --ep N, --transport: handed over to moe_ep
 
 
-def _replace(config: MoEConfig, **over) -> MoEConfig:
-    """``dataclasses.replace``, refusing top-k above the experts by its option (MoEConfig
-    would name its field)."""
-    topk, experts = over.get("topk", config.topk), over.get("num_experts", config.num_experts)
-    if topk > experts:
-        raise options.FlagError(f"--topk: expected at most the experts ({experts}), got {topk}")
-    return dataclasses.replace(config, **over)
-
-
 def configs_from_args(args, quick: bool, *, notes: bool = True) -> dict:
-    """``{name: MoEConfig}`` the suite runs, from the command line (see :func:`add_arguments`).
-    Raises :class:`~graphstash.tools.options.FlagError` naming the option for a bad value;
+    """``{name: MoEConfig}`` the suite runs, from the command line (see :func:`add_arguments`;
+    with ``--ep`` the expert-parallel bench's). Raises
+    :class:`~graphstash.tools.options.FlagError` naming the option for a bad value;
     ``notes``: print the one-line notes on values that are allowed but likely mistakes."""
-    from . import moe_ep
-
     if moe_ep.requested(args):
         return moe_ep.configs_from_args(args, quick, notes=notes)
-    over = {"hidden": options.hidden_width("--hidden", getattr(args, "hidden", None)),
-            "ffn": options.positive_int("--ffn", getattr(args, "ffn", None)),
-            "num_experts": options.positive_int("--experts", getattr(args, "experts", None)),
-            "topk": options.positive_int("--topk", getattr(args, "topk", None)),
-            "layers": options.positive_int("--layers", getattr(args, "layers", None)),
-            "num_tokens": options.positive_int("--tokens", getattr(args, "tokens", None)),
-            "capacity_factor": options.capacity_factor(
-                "--capacity-factor", getattr(args, "capacity_factor", None),
-                command="bench" if notes else None)}
-    options.positive_int("--steps", getattr(args, "steps", None))
-    over = {k: v for k, v in over.items() if v is not None}
-    preset = getattr(args, "preset", None)
-    custom = any(k in over for k in ("hidden", "ffn", "num_experts", "topk"))
-    if preset is not None:
-        out = {preset: _replace(PRESETS[preset], **over)}
-    elif custom:
-        missing = [k for k in ("hidden", "ffn", "num_experts", "topk") if k not in over]
-        if missing:
-            raise options.FlagError(f"--{missing[0].replace('num_experts', 'experts')}: a custom "
-                                "shape needs --hidden, --ffn, --experts and --topk")
-        base = MoEConfig(num_tokens=8192, capacity_factor=1.0,
-                         gated=not getattr(args, "plain_experts", False), layers=4)
-        out = {"custom": _replace(base, **over)}
-    else:
-        out = dict(QUICK) if quick else {**{n: _replace(c, **over)
-                                            for n, c in PRESETS.items()}, **CONFIGS}
-    for name, c in out.items():
-        if c.topk > c.num_experts:
-            raise options.FlagError(f"--topk: expected at most the experts ({c.num_experts}), "
-                                    f"got {c.topk}")
-    return out
+    return one_gpu_configs(args, quick, notes=notes)
 
 
 def modes_from_args(args) -> tuple:
-    from . import moe_ep
-
     if moe_ep.requested(args):
         return moe_ep.rows_from_args(args)
     return options.names("--modes", getattr(args, "modes", None), MODES)
@@ -192,71 +152,24 @@ def _fit_layers(config: MoEConfig, world: int, device) -> int:
     return max(1, min(config.layers, fit))
 
 
-@contextlib.contextmanager
-def count_exchange(group):
-    """Count the bytes this rank sends to other ranks through ``all_to_all_single`` (ours and
-    the autograd version both call ``torch.distributed.all_to_all_single``); yields a one-item
-    list holding the running total."""
-    total = [0]
-    if group is None:
-        yield total
-        return
-    import torch.distributed as dist
-
-    original = dist.all_to_all_single
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-
-    def counting(output, input, output_split_sizes=None, input_split_sizes=None, *a, **k):
-        row = input[0].numel() * input.element_size() if input.shape[0] else 0
-        if input_split_sizes:
-            sent = sum(n for r, n in enumerate(input_split_sizes) if r != rank)
-        else:
-            sent = input.shape[0] // world * (world - 1)
-        total[0] += sent * row
-        return original(output, input, output_split_sizes, input_split_sizes, *a, **k)
-
-    dist.all_to_all_single = counting
-    try:
-        yield total
-    finally:
-        dist.all_to_all_single = original
-
-
-def stash_config(device: torch.device):
-    """The :class:`~graphstash.StashConfig` of the ``graph + budget + stash`` mode on the CUDA
-    ``device`` (``graphstash memory --mode stash`` uses it too; on the CPU, where the tests
-    run the mode, one copy block).
-
-    NOTE [bench pool factor]: the pool is 1.05x the demand of the warmup steps: a layer's
-    live rows vary by well under 1 % between random routings here. A step that outgrows it is
-    flagged and rerun (the flags column), never silently wrong. Copies get half the
-    multiprocessors (NOTE [copy blocks] in stash/scheduler.py). A group's reload is issued once
-    autograd released the group before it (``prefetch="after_release"``, NOTE [prefetch]):
-    in the memory-bound configuration that step was faster than issuing it at the last unpack,
-    with the same peak, in every paired run (the figures and their command:
-    docs/moe-performance.md, change 7).
-    """
-    import graphstash
-
-    on_gpu = torch.device(device).type == "cuda"
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 2
-    return graphstash.StashConfig(host_tier=False, copy_blocks=max(1, sms // 2),
-                                  device_factor=1.05, prefetch="after_release")
-
-
 def run_mode(mode: str, config: MoEConfig, group, device, batches: list, steps: int, *,
-             stash=None, compile_kwargs: dict | None = None, profile: bool = False) -> dict:
+             stash=None, compile_kwargs: dict | None = None, profile: bool = False,
+             on_call=None) -> dict:
     """Build ``mode`` (one of :data:`MODES`) of ``config``, warm up (capture), time ``steps``
     steps on ``batches`` (:func:`graphstash.tools.training.batches`, at least 3, on
-    ``device``); returns the figures the module docstring lists, as a dict.
+    ``device``); returns the figures the module docstring lists, as a dict, with
+    ``step_ms_spread`` (:func:`~graphstash.tools.bench.spread.spread` of the samples) beside
+    the median ``step_ms``.
 
     ``device``: a CUDA device; on the CPU (the tests) graph_step runs every step eagerly, the
     times are the host clock's and the memory figures None. ``group``: ``torch.distributed``
-    group for expert parallelism (None: one GPU); ``stash``: the :class:`~graphstash.StashConfig`
-    of the stash mode (default :func:`stash_config`); ``compile_kwargs``: ``torch.compile``'s
-    arguments for the modes of :data:`COMPILED` (default ``{}``: Inductor, default mode);
-    ``profile``: add ``"kernels"`` (:func:`~graphstash.tools.bench.kernel_share.profile_steps`
-    of :data:`PROFILE_STEPS` steps; CUDA only, None elsewhere).
+    group for expert parallelism (None: one GPU; the figures are then the largest over the
+    ranks); ``stash``: the :class:`~graphstash.StashConfig` of the stash mode (default
+    :func:`stash_config`); ``compile_kwargs``: ``torch.compile``'s arguments for the modes of
+    :data:`COMPILED` (default ``{}``: Inductor, default mode); ``profile``: add ``"kernels"``
+    (:func:`~graphstash.tools.bench.kernel_share.profile_steps` of :data:`PROFILE_STEPS`
+    steps; CUDA only, None elsewhere); ``on_call``: called without arguments after each call of
+    the step (outside the timed region), for a progress bar.
     Example::
 
         figures = run_mode("graph + budget", CONFIGS["launch-bound"], None, device, batches, 20)
@@ -266,6 +179,7 @@ def run_mode(mode: str, config: MoEConfig, group, device, batches: list, steps: 
     if len(batches) < 3:
         raise ValueError(f"batches: expected at least 3 (two warmup steps and the capture), "
                          f"got {len(batches)}")
+    tick = on_call if on_call is not None else (lambda: None)
     meter = DeviceMeter(device)
     torch._dynamo.reset()         # no compiled code, guard or recompile count of another mode
     meter.settle()                # the previous mode's step, model and graph, if in a cycle
@@ -289,13 +203,19 @@ def run_mode(mode: str, config: MoEConfig, group, device, batches: list, steps: 
     with training.quiet_cpu_graph_step(meter.on_gpu):
         with count_exchange(group) as sent:
             one(*batches[0])                              # eager in every mode (compiles)
+        tick()
         one(*batches[1])
+        tick()
         meter.sync()
         # NOTE [steady-state peak]: the warmup steps are left out of the peak (the first one
         # runs before the stash pool is sized); the capture and the timed steps count.
         meter.reset_peak()
         one(*batches[2])                                  # graphed modes: the capture
-        samples = [meter.time_ms(next_step) for _ in range(steps)]
+        tick()
+        samples = []
+        for _ in range(steps):
+            samples.append(meter.time_ms(next_step))
+            tick()
         meter.sync()
         peak = meter.peak_above(base)
         kernels = None
@@ -304,9 +224,10 @@ def run_mode(mode: str, config: MoEConfig, group, device, batches: list, steps: 
     static = static_footprint(run_.model, run_.optimizer, device=device)
     stats = step.stats if graphed else None
     plan = step.stash_manager.plan() if mode == "graph + budget + stash" else []
+    s = spread(samples)
     figures = [statistics.median(samples), sent[0] / 2**20,
                float(stats.over_budget if stats else 0), float(stats.overflows if stats else 0),
-               float(stats.eager_reruns if stats else 0)]
+               float(stats.eager_reruns if stats else 0), s["min"], s["q1"], s["q3"], s["max"]]
     if peak is not None:
         figures += [peak / 2**20, (peak - static) / 2**20]
     if group is not None:
@@ -314,12 +235,13 @@ def run_mode(mode: str, config: MoEConfig, group, device, batches: list, steps: 
         torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MAX, group=group)
         figures = figures.tolist()
     step_ms, sent_mib, over_budget, overflow, reruns = figures[:5]
-    peak_mib, act_mib = figures[5:] if peak is not None else (None, None)
+    s.update(median=step_ms, min=figures[5], q1=figures[6], q3=figures[7], max=figures[8])
+    peak_mib, act_mib = figures[9:] if peak is not None else (None, None)
     run_.release()
     del run_, one, step
-    return {"step_ms": step_ms, "peak_mib": peak_mib, "activation_peak_mib": act_mib,
-            "exchanged_mib": sent_mib, "over_budget": int(over_budget),
-            "overflow": int(overflow), "reruns": int(reruns),
+    return {"step_ms": step_ms, "step_ms_spread": s, "peak_mib": peak_mib,
+            "activation_peak_mib": act_mib, "exchanged_mib": sent_mib,
+            "over_budget": int(over_budget), "overflow": int(overflow), "reruns": int(reruns),
             "stashed_groups": sum(r["stashed"] for r in plan), "groups": len(plan),
             "kernels": kernels}
 
@@ -345,61 +267,63 @@ def add_ratios(results: dict):
     return peer
 
 
-def _cell(value, spec: str, width: int) -> str:
-    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
+COLUMNS = (Column("mode", width=25), Column("step ms", ".2f", width=8),
+           Column("min-max ms", width=13, align="right"), Column("/best", ".3f", width=6),
+           Column("peak MiB", ".0f", width=8), Column("act MiB", ".0f", width=7),
+           Column("act/best", ".2f", width=8), Column("sent MiB", ".1f", width=8),
+           Column("flags (over budget, overflow, reruns)"))
+PROFILE_COLUMNS = (Column("mode", width=25), Column("step ms", ".2f", width=8),
+                   Column("kernel ms", ".2f", width=9), Column("kernels", ".0f", width=7)) + \
+    tuple(Column(g, width=max(6, len(g)), align="right") for g in GROUPS)
 
 
-def _print_table(name: str, config: MoEConfig, world: int, results: dict, peer,
-                 device_name: str) -> None:
-    print(f"\nMoE {name}: {config.layers} layers, hidden {config.hidden}, ffn {config.ffn}"
-          f"{' (gated)' if config.gated else ''}, {config.num_experts} experts top-"
-          f"{config.topk}, {config.num_tokens} tokens/rank, capacity factor "
-          f"{config.capacity_factor}, EP={world}, {device_name}")
-    if world > 1:
-        print("figures: the largest over the ranks; flags: set on any rank")
-    print(f"{'mode':<25}{'step ms':>9}{'/best':>7}{'peak MiB':>10}{'act MiB':>9}{'act/best':>9}"
-          f"{'sent MiB':>10}  flags (over_budget, overflow, reruns)")
-    for mode, r in results.items():
-        if "error" in r:
-            print(f"{mode:<25}  {r['error']}")
-            continue
-        print(f"{mode:<25}{r['step_ms']:>9.2f}{_cell(r['ratio_to_best_peer'], '.3f', 7)}"
-              f"{_cell(r['peak_mib'], '.0f', 10)}{_cell(r['activation_peak_mib'], '.0f', 9)}"
-              f"{_cell(r['activation_ratio_to_best_peer'], '.2f', 9)}{r['exchanged_mib']:>10.1f}"
-              f"  {r['over_budget']}, {r['overflow']}, {r['reruns']}"
-              + (f"; stashed {r['stashed_groups']}/{r['groups']} groups" if r["groups"] else ""))
-    print(f"/best: time (act/best: activation peak) over the best peer of this run, {peer!r} "
-          "(the fastest plain mode); stashed: groups the stash plan stashed (NOTE [stash plan])"
-          if peer else "/best: no peer ran in this run")
+def _title(name: str, config: MoEConfig, world: int, device_name: str) -> str:
+    return (f"MoE {name}: {config.layers} layers, hidden {config.hidden}, ffn {config.ffn}"
+            f"{' (gated)' if config.gated else ''}, {config.num_experts} experts top-"
+            f"{config.topk}, {config.num_tokens} tokens/rank, capacity factor "
+            f"{config.capacity_factor}, EP={world}, {device_name}")
+
+
+def _row(mode: str, r: dict) -> list:
+    flags = f"{r['over_budget']}, {r['overflow']}, {r['reruns']}" + (
+        f"; stashed {r['stashed_groups']}/{r['groups']} groups" if r["groups"] else "")
+    return [mode, r["step_ms"], range_text(r.get("step_ms_spread")),
+            r.get("ratio_to_best_peer"), r["peak_mib"], r["activation_peak_mib"],
+            r.get("activation_ratio_to_best_peer"), r["exchanged_mib"], flags]
+
+
+def _share(value) -> str | None:
+    return None if value is None else f"{100 * value:.1f}%"
+
+
+def _print_profile(out: Output, results: dict) -> None:
     profiled = {m: r["kernels"] for m, r in results.items() if r.get("kernels")}
-    if profiled:
-        print(f"kernel time per step (torch.profiler, {PROFILE_STEPS} steps after the timed "
-              "ones) and its shares")
-        print(f"{'mode':<25}{'step ms':>9}{'kernel ms':>10}{'kernels':>9}"
-              + "".join(f"{g:>14}" for g in GROUPS))
-        for mode, k in profiled.items():
-            share = k["shares"] or {}
-            print(f"{mode:<25}{results[mode]['step_ms']:>9.2f}{k['kernel_ms_per_step']:>10.2f}"
-                  f"{k['kernels_per_step']:>9.0f}"
-                  + "".join(f"{100 * share[g]:>13.1f}%" if g in share else f"{'-':>14}"
-                            for g in GROUPS))
-        print("shares of the summed kernel time, kernels grouped by name "
-              "(graphstash/tools/bench/kernel_share.py)")
+    if not profiled:
+        return
+    out.note(f"kernel time per step (torch.profiler, {PROFILE_STEPS} steps after the timed "
+             "ones) and its shares")
+    out.whole(PROFILE_COLUMNS, [
+        [mode, results[mode]["step_ms"], k["kernel_ms_per_step"], k["kernels_per_step"]]
+        + [_share((k["shares"] or {}).get(g)) for g in GROUPS] for mode, k in profiled.items()])
+    out.note("shares of the summed kernel time, kernels grouped by name "
+             "(graphstash/tools/bench/kernel_share.py)")
 
 
-def run(quick: bool = False, args=None, *, device=None, compile_kwargs: dict | None = None
-        ) -> dict:
+def run(quick: bool = False, args=None, *, device=None, compile_kwargs: dict | None = None,
+        out: Output | None = None) -> dict:
     """Benchmark the modes on the configurations the command line selects; returns
-    ``{config: {"config", "results": {mode: figures}, "best_peer"}}``.
+    ``{config: {"config", "results": {mode: figures}, "best_peer"}}``. Each mode's row is
+    printed as soon as it is measured (its ratios to the best peer once every peer of the run
+    has run: rows measured before get theirs in a line under the table), with a progress bar
+    per configuration and mode on stderr.
 
     ``device``: default the current CUDA device; the CPU runs every mode eagerly at the sizes
     given (the tests). ``compile_kwargs``: ``torch.compile``'s arguments for the compiled modes
-    (default: its defaults).
+    (default: its defaults). ``out``: where the tables go (default: plain text on stdout).
     """
-    from . import moe_ep
-
     if moe_ep.requested(args):
-        return moe_ep.run(quick, args)
+        return moe_ep.run(quick, args, device=device, out=out)
+    out = Output() if out is None else out
     world = int(os.environ.get("WORLD_SIZE", "1"))
     group = None
     if world > 1:
@@ -423,40 +347,81 @@ def run(quick: bool = False, args=None, *, device=None, compile_kwargs: dict | N
     steps = getattr(args, "steps", None) or (5 if quick else 20)
     profile = bool(getattr(args, "profile", False))
     explicit_layers = getattr(args, "layers", None) is not None
-    out = {}
-    for name, config in configs.items():
-        if name in PRESETS and not explicit_layers and on_gpu:
-            # what the previous configuration's modes left (graphs, cached blocks) is not
-            # this one's to lose: collect it before measuring the free memory
-            gc.collect()
-            torch.cuda.empty_cache()
-            config = dataclasses.replace(config, layers=_fit_layers(config, world, device))
-        if world > 1 and config.chunk_factor is None:
-            config = dataclasses.replace(config, chunk_factor=config.capacity_factor)
-        batches = training.batches(config, 4, seed=1234 + rank, device=device, dtype=DTYPE)
-        results = {}
-        for mode in modes:
-            if mode in ("plain graph", "plain compiled graph") and world > 1:
-                results[mode] = {"error": "not capturable: reads its split sizes back"}
-                continue
-            if mode in COMPILED and world > 1:
-                results[mode] = {"error": "one GPU only (compiled modes)"}
-                continue
-            if world > 1:           # a failure on one rank only would leave the others waiting
-                results[mode] = run_mode(mode, config, group, device, batches, steps,
-                                         compile_kwargs=compile_kwargs, profile=profile)
-                continue
-            try:
-                results[mode] = run_mode(mode, config, group, device, batches, steps,
-                                         compile_kwargs=compile_kwargs, profile=profile)
-            except Exception as exc:            # reported in the table; the next mode runs
-                results[mode] = {"error": "failed: " + failures.describe(exc)}
-        peer = add_ratios(results)
-        if rank == 0:
-            _print_table(name, config, world, results, peer, device_name)
-        out[name] = {"config": dataclasses.asdict(config), "results": results,
-                     "best_peer": peer}
-    return out
+    calls = WARMUP_CALLS + steps
+    shown = rank == 0
+    results_out = {}
+    with progress.bar(len(configs) * len(modes), "bench moe", unit="mode",
+                      show=shown) as overall:
+        for name, config in configs.items():
+            if name in PRESETS and not explicit_layers and on_gpu:
+                # what the previous configuration's modes left (graphs, cached blocks) is not
+                # this one's to lose: collect it before measuring the free memory
+                gc.collect()
+                torch.cuda.empty_cache()
+                config = dataclasses.replace(config, layers=_fit_layers(config, world, device))
+            if world > 1 and config.chunk_factor is None:
+                config = dataclasses.replace(config, chunk_factor=config.capacity_factor)
+            batches = training.batches(config, 4, seed=1234 + rank, device=device, dtype=DTYPE)
+            if shown:
+                out.title(_title(name, config, world, device_name))
+                if world > 1:
+                    out.note("figures: the largest over the ranks; flags: set on any rank")
+                table = out.table(COLUMNS)
+            results, pending = {}, []
+            peers = [m for m in modes if m in PEERS]
+            for mode in modes:
+                with progress.bar(calls, f"{name}: {mode}", show=shown) as bar:
+                    results[mode] = _measure(mode, config, group, device, batches, steps, world,
+                                             compile_kwargs, profile, bar.update)
+                overall.update()
+                if not shown:
+                    continue
+                if "error" in results[mode]:
+                    table.span(mode, results[mode]["error"])
+                    continue
+                if all(p in results for p in peers):
+                    add_ratios(results)
+                else:
+                    pending.append(mode)
+                table.row(_row(mode, results[mode]))
+            peer = add_ratios(results)
+            if shown:
+                if pending and peer:
+                    out.note("/best (act/best) of the rows measured before the last peer: "
+                             + "; ".join(f"{m} {_ratios(results[m])}" for m in pending))
+                out.note(f"/best: time (act/best: activation peak) over the best peer of this "
+                         f"run, {peer!r} (the fastest plain mode); min-max: the timed steps' "
+                         "range; stashed: groups the stash plan stashed (NOTE [stash plan])"
+                         if peer else "/best: no peer ran in this run")
+                _print_profile(out, results)
+            results_out[name] = {"config": dataclasses.asdict(config), "results": results,
+                                 "best_peer": peer}
+    if shown:
+        out.end()
+    return results_out
+
+
+def _ratios(r: dict) -> str:
+    act = r.get("activation_ratio_to_best_peer")
+    return f"{r['ratio_to_best_peer']:.3f}" + ("" if act is None else f" / {act:.2f}")
+
+
+def _measure(mode, config, group, device, batches, steps, world, compile_kwargs, profile,
+             on_call) -> dict:
+    """One mode's figures (:func:`run_mode`), or ``{"error": why}`` for a mode that cannot or
+    did not run."""
+    if mode in ("plain graph", "plain compiled graph") and world > 1:
+        return {"error": "not capturable: reads its split sizes back"}
+    if mode in COMPILED and world > 1:
+        return {"error": "one GPU only (compiled modes)"}
+    if world > 1:               # a failure on one rank only would leave the others waiting
+        return run_mode(mode, config, group, device, batches, steps,
+                        compile_kwargs=compile_kwargs, profile=profile, on_call=on_call)
+    try:
+        return run_mode(mode, config, group, device, batches, steps,
+                        compile_kwargs=compile_kwargs, profile=profile, on_call=on_call)
+    except Exception as exc:            # reported in the table; the next mode runs
+        return {"error": "failed: " + failures.describe(exc)}
 
 
 def cycling(step, batches: list):

@@ -11,8 +11,9 @@ Launch (NOTE [expert-parallel bench launch]):
 - on one GPU, ``--transport ipc`` (the default there): N processes sharing the GPU through
   CUDA IPC. Correct but slow: processes take turns on the GPU, so every barrier waits for a
   time slice (docs/exchange.md); the table says so;
-- on the CPU, ``--transport local`` (the default there): N ranks as threads of this process
-  over in-process transports, the coordination alone (the tests). Not on a GPU (NOTE
+- on the CPU (``--device cpu`` or no GPU), ``--transport gloo`` (the default there): N
+  processes over gloo, every row eagerly (a smoke run of the loop), or ``--transport local``:
+  N ranks as threads of this process, the coordination alone (the tests). Not on a GPU (NOTE
   [expert-parallel bench launch] says why).
 
 Rows (NOTE [expert-parallel bench rows] in ``ep_rows.py``): ``eager peer`` (plain-PyTorch
@@ -31,6 +32,11 @@ rank writes into other ranks per step (device counters of the transport over the
 for the peers, what their collectives send, from the split sizes, over the warmup steps) and
 their ratio to the eager peer's, the counts/flags/signals bytes, and the steps flagged over
 budget, overflowed and rerun (all calls of the row). Figures are the largest over the ranks.
+``--profile``: each rank profiles a few calls of each row after the timed ones and rank 0
+prints, per row and rank, the kernel time per step and its shares in the exchange (the
+live-row kernels ``gs_xchg_*``, NCCL's), grouped GEMMs, other GEMMs, the optimizer and the rest
+(:mod:`~graphstash.tools.bench.kernel_share`; CUDA only). Rank 0 prints each row as soon as it
+is measured and shows the progress on stderr.
 """
 from __future__ import annotations
 
@@ -47,27 +53,35 @@ import torch
 
 from ...memory import static_footprint
 from ...models import PRESETS, MoEConfig
-from .. import options, training
-from . import moe
+from ...tables import Column
+from .. import options, progress, training
+from ..output import Output
+from . import moe_setup
 from .ep_rows import (PEER_ROWS, ROWS, TRANSPORT_ROWS, build_row, transport_bytes,
                       transport_sizes, unavailable)
+from .kernel_share import GROUPS, profile_steps
+from .spread import range_text, spread
 from .timing import event_ms
 
-TRANSPORTS = ("auto", "ipc", "local", "symmetric", "nccl")
+TRANSPORTS = ("auto", "ipc", "gloo", "local", "symmetric", "nccl")
 DEFAULT_CAPACITY_FACTOR = 2.0
 LAYERS_CAP = 16
 DTYPE = torch.bfloat16
 BATCHES = 4
 MIB = 2.0 ** 20
+PROFILE_STEPS = 3   # calls torch.profiler records per row and rank under --profile
 
 # NOTE [expert-parallel bench launch]: where the N ranks come from decides which rows can
 # run. Under torchrun (WORLD_SIZE > 1) every process is a rank on its own GPU: NCCL runs the
 # peers, and the live rows take the transport --transport names (symmetric memory by default).
 # Without it the N ranks share this process's GPU, where NCCL refuses to run ("Duplicate GPU
 # detected"), so the peers are reported as not available: as N spawned processes over CUDA
-# IPC (--transport ipc, the default on a GPU), whose barriers wait for the GPU's time slices,
-# or, on the CPU only, as threads of this process (--transport local, NOTE [in-process bench
-# ranks] in ep_ranks.py: the coordination the tests check). Threads are not offered on a GPU:
+# IPC (--transport ipc, the default on a GPU), whose barriers wait for the GPU's time slices.
+# On the CPU (--device cpu, or no GPU) the ranks are N spawned processes over gloo (--transport
+# gloo, the default there: every row, peers included, eagerly: a smoke run of the whole loop)
+# or threads of this process (--transport local, NOTE [in-process bench ranks] in
+# ep_ranks.py: the coordination the tests check; in-process transports need a GPU, so the
+# live-row rows are not available there). Threads are not offered on a GPU:
 # each rank's exchange kernels wait on the device for the other ranks' signals, so anything in
 # one thread that waits for the whole device (a synchronize, the allocator freeing memory)
 # stalls every rank until the transport's timeout. Measured on an H200: the thread ranks ran
@@ -82,7 +96,8 @@ MIB = 2.0 ** 20
 class Launch:
     """How the ranks run: ``kind`` ``"torchrun"``, ``"processes"`` or ``"threads"`` (NOTE
     [expert-parallel bench launch]), ``world_size`` ranks, ``transport`` the live rows' kind
-    (``--transport``; ``"local"`` for threads, ``"ipc"`` for processes)."""
+    (``--transport``; ``"local"`` for threads, ``"ipc"`` for processes sharing a GPU,
+    ``"gloo"`` for processes on the CPU)."""
     kind: str
     world_size: int
     transport: str
@@ -94,6 +109,8 @@ class Launch:
                     f"rows over transport {self.transport}")
         if self.kind == "threads":
             return f"{n} threads of one process on one GPU, in-process transports"
+        if self.transport == "gloo":
+            return f"{n} processes on the CPU over gloo (eager)"
         return f"{n} processes sharing one GPU over CUDA IPC"
 
 
@@ -105,10 +122,10 @@ def add_arguments(group) -> None:
                        "is WORLD_SIZE; on one GPU the ranks are processes)")
     group.add_argument("--transport", choices=TRANSPORTS, default=None,
                        help="the live rows' transport with --ep: auto (torchrun: symmetric "
-                       "memory; one GPU: ipc), local (ranks as threads of one process; the CPU "
-                       "only), ipc (ranks as processes sharing a GPU: correct, slow), "
-                       "symmetric, nccl "
-                       "(no live-row transport)")
+                       "memory; one GPU: ipc; the CPU: gloo), ipc (ranks as processes sharing a "
+                       "GPU: correct, slow), gloo (ranks as processes on the CPU: the loop, "
+                       "eagerly), local (ranks as threads of one process; the CPU only), "
+                       "symmetric, nccl (no live-row transport)")
 
 
 def requested(args) -> bool:
@@ -147,11 +164,11 @@ def launch_from_args(args, environ=None) -> Launch:
         if ep is not None and ep != world:
             raise options.FlagError(f"--ep: expected the launcher's WORLD_SIZE={world} (one "
                                     f"rank per process), got {ep}")
-        if transport == "local":
+        if transport in ("local", "gloo"):
             raise options.FlagError(
-                f"--transport: 'local' runs the ranks as threads of one process on one GPU; "
-                f"under torchrun (WORLD_SIZE={world}) every process is a rank: use auto, "
-                f"symmetric, ipc or nccl")
+                f"--transport: {transport!r} runs the ranks itself (threads of one process, or "
+                f"processes on the CPU); under torchrun (WORLD_SIZE={world}) every process is "
+                f"a rank: use auto, symmetric, ipc or nccl")
         return Launch("torchrun", world, transport)
     if ep is None:
         raise options.FlagError("--ep: expected the number of expert-parallel ranks (an int "
@@ -161,15 +178,24 @@ def launch_from_args(args, environ=None) -> Launch:
             f"--transport: {transport!r} needs one process per GPU: launch with torchrun "
             f"--nproc-per-node {ep} -m graphstash.tools.cli bench moe --ep {ep}; on one GPU "
             f"use 'local' (ranks as threads) or 'ipc' (ranks as processes)")
-    on_gpu = torch.cuda.is_available()
+    on_gpu = torch.cuda.is_available() and getattr(args, "device", "auto") != "cpu"
     if transport == "local" and on_gpu:
         raise options.FlagError(
             "--transport: 'local' (ranks as threads of one process) is not offered on a GPU "
             "(NOTE [expert-parallel bench launch]): a device-wide wait in one rank's thread "
             "stalls the other ranks' exchange kernels; use 'ipc' (ranks as processes sharing "
             "the GPU) or torchrun")
+    if transport == "gloo" and on_gpu:
+        raise options.FlagError("--transport: 'gloo' runs the ranks as processes on the CPU "
+                                "(--device cpu); on a GPU use 'ipc' or torchrun")
+    if transport == "ipc" and not on_gpu:
+        raise options.FlagError("--transport: 'ipc' runs the ranks as processes sharing one "
+                                "GPU, and none is in use; on the CPU use 'gloo' (the default "
+                                "there) or 'local'")
     if transport == "ipc" or (transport == "auto" and on_gpu):
         return Launch("processes", ep, "ipc")
+    if transport in ("gloo", "auto"):
+        return Launch("processes", ep, "gloo")
     return Launch("threads", ep, "local")
 
 
@@ -181,7 +207,7 @@ def configs_from_args(args, quick: bool, *, notes: bool = True) -> dict:
     and ``--ep`` when the experts do not split over the ranks."""
     launch = launch_from_args(args)
     plain = argparse.Namespace(**{**vars(args), "ep": None, "transport": None})
-    chosen = moe.configs_from_args(plain, quick, notes=notes)      # every shape flag checked
+    chosen = moe_setup.configs_from_args(plain, quick, notes=notes)  # every shape flag checked
     custom = "custom" in chosen
     preset = getattr(args, "preset", None)
     factor = getattr(args, "capacity_factor", None) or DEFAULT_CAPACITY_FACTOR
@@ -191,7 +217,7 @@ def configs_from_args(args, quick: bool, *, notes: bool = True) -> dict:
             value = getattr(args, name, None)
             if value is not None:
                 over["num_tokens" if name == "tokens" else "layers"] = value
-        chosen = dict(moe.QUICK)
+        chosen = dict(moe_setup.QUICK)
     elif preset is None and not custom:
         chosen = {n: c for n, c in chosen.items() if n in PRESETS}
     out = {n: dataclasses.replace(c, **over) for n, c in chosen.items()}
@@ -237,20 +263,24 @@ def fit_layers(config: MoEConfig, world_size: int, ranks_per_device: int, free_b
 class Plan:
     """What every rank runs: the configurations (``fit``: the names whose layers
     :func:`fit_layers` decides), the rows, the timed steps, the launch; ``stash``: the
-    ``StashConfig`` of ``live rows + stash`` (None: :func:`graphstash.tools.bench.moe.
-    stash_config`, the one-GPU bench's)."""
+    ``StashConfig`` of ``live rows + stash`` (None: :func:`graphstash.tools.bench.moe_setup.
+    stash_config`, the one-GPU bench's); ``profile``: also profile :data:`PROFILE_STEPS` calls
+    of each row on every rank (``--profile``; CUDA kernels)."""
     launch: Launch
     configs: dict
     rows: tuple
     steps: int
     fit: tuple
     stash: object = None
+    profile: bool = False
 
 
-# NOTE [bench rows on the CPU]: the bench runs on GPUs (``graphstash bench`` refuses to start
-# without one), but its measuring loop also runs on the CPU, eagerly, with the gloo transport,
-# host timers and no memory statistics (zeros): tests/test_bench_ep_rows.py runs the whole
-# loop, collectives, transports, byte counts and table included, over two gloo ranks.
+# NOTE [bench rows on the CPU]: the bench measures GPUs, but its measuring loop also runs on
+# the CPU, eagerly, with host timers and no memory statistics (zeros): over two gloo ranks
+# (tests/test_bench_ep_rows.py runs the whole loop, collectives, transports, byte counts and
+# table included) and, from the command line (``graphstash bench moe --ep 2 --device cpu``),
+# over ranks that are threads of one process with in-process transports: a smoke run of the
+# loop, not a measurement.
 def _wait(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -281,12 +311,17 @@ def prepare(device: torch.device) -> None:
 
 
 def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *,
-                stash=None) -> dict:
+                stash=None, profile: bool = False, on_call=None) -> dict:
     """Build ``row`` on this rank (``ranks``: :mod:`~graphstash.tools.bench.ep_ranks`), warm
     it up, capture, time ``steps`` calls on ``batches`` (:func:`graphstash.tools.training.
     batches`, this rank's) and return the figures the module docstring lists, each the largest
-    over the ranks. ``stash``: the ``StashConfig`` of ``live rows + stash`` (default:
-    :func:`graphstash.tools.bench.moe.stash_config`). A collective."""
+    over the ranks, with ``step_ms_spread`` (each of its figures the largest over the ranks)
+    beside the median ``step_ms``. ``stash``: the ``StashConfig`` of ``live rows + stash``
+    (default: :func:`graphstash.tools.bench.moe_setup.stash_config`); ``profile``: add
+    ``"kernels"``, every rank's :func:`~graphstash.tools.bench.kernel_share.profile_steps` of
+    :data:`PROFILE_STEPS` calls after the timed ones, in rank order; ``on_call``: called
+    without arguments after each call (outside the timed region). A collective."""
+    tick = on_call if on_call is not None else (lambda: None)
     device, W = ranks.device, ranks.world_size
     ranks.sync()
     if ranks.leader:
@@ -304,7 +339,7 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
         except ValueError as exc:      # no transport by peer addresses here (the same on all)
             return {"error": f"not available: {exc}"}
     if row == "live rows + stash" and stash is None:
-        stash = moe.stash_config(device)
+        stash = moe_setup.stash_config(device)
     run = build_row(row, config, device, DTYPE, world_size=W, group=ranks.peer_group,
                     transport=transport, stash=stash,
                     release_warmup_cache=ranks.release_warmup_cache)
@@ -314,17 +349,27 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
         run.stash_manager
     ranks.sync()
     warmup = training.WARMUP
-    with moe.count_exchange(ranks.peer_group if row in PEER_ROWS else None) as sent:
+    with moe_setup.count_exchange(ranks.peer_group if row in PEER_ROWS else None) as sent:
         for i in range(warmup):
             run.step(*batches[i % len(batches)])
+            tick()
     ranks.before_capture()             # NOTE [steady-state peak] in moe.py
     run.step(*batches[warmup % len(batches)])            # graphed rows: the capture
+    tick()
     before = transport.counters() if transport is not None else None
     samples = []
     for i in range(steps):
         batch = batches[(warmup + 1 + i) % len(batches)]
         samples.append(_time_ms(device, functools.partial(run.step, *batch)))
+        tick()
     after = transport.counters() if transport is not None else None
+    kernels = None
+    if profile:                        # every rank, in step: the exchange waits for the peers
+        ranks.sync()
+        step, calls = run.step, iter(range(1 << 62))
+        kernels = ranks.gather(profile_steps(
+            lambda: step(*batches[next(calls) % len(batches)]), PROFILE_STEPS))
+        step = None                    # the row's model is freed below
     ranks.sync()
     peak = _allocated(device, peak=True) - base
     static = ranks.device_total(static_footprint(run.model, run.optimizer, device=device))
@@ -338,24 +383,29 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
         moved = {"sent": sent[0] / warmup, "local": 0.0, "meta": 0.0}
         counted = "split sizes, warmup steps"
     exchange = run.model.exchange_kind
-    calls = warmup + 1 + steps
+    calls = warmup + 1 + steps + (PROFILE_STEPS if profile else 0)
     ranks.sync()
     run.release()
     if transport is not None:
         transport.close()
     del run, transport
+    s = spread(samples)
     figures = ranks.largest([
         statistics.median(samples), peak / share / MIB, (peak - static) / share / MIB,
         moved["sent"] / MIB, moved["local"] / MIB, moved["meta"] / 1024,
         stats.over_budget if stats else 0, stats.overflows if stats else 0,
-        stats.eager_reruns if stats else 0])
+        stats.eager_reruns if stats else 0, s["min"], s["q1"], s["q3"], s["max"]])
     (step_ms, peak_mib, act_mib, sent_mib, local_mib, meta_kib, over_budget, overflow,
-     reruns) = figures
-    return {"step_ms": step_ms, "peak_mib": peak_mib, "activation_peak_mib": act_mib,
-            "sent_mib": sent_mib, "local_mib": local_mib, "meta_kib": meta_kib,
-            "bytes_counted": counted, "exchange": exchange, "over_budget": int(over_budget),
-            "overflow": int(overflow), "reruns": int(reruns), "calls": calls,
-            "stashed_groups": sum(r["stashed"] for r in plan), "groups": len(plan)}
+     reruns) = figures[:9]
+    if device.type != "cuda":          # no memory statistics on the CPU
+        peak_mib = act_mib = None
+    s.update(median=step_ms, min=figures[9], q1=figures[10], q3=figures[11], max=figures[12])
+    return {"step_ms": step_ms, "step_ms_spread": s, "peak_mib": peak_mib,
+            "activation_peak_mib": act_mib, "sent_mib": sent_mib, "local_mib": local_mib,
+            "meta_kib": meta_kib, "bytes_counted": counted, "exchange": exchange,
+            "over_budget": int(over_budget), "overflow": int(overflow), "reruns": int(reruns),
+            "calls": calls, "stashed_groups": sum(r["stashed"] for r in plan),
+            "groups": len(plan), "kernels": kernels}
 
 
 def add_ratios(results: dict) -> None:
@@ -372,83 +422,170 @@ def add_ratios(results: dict) -> None:
                                    if peer.get("sent_mib") else None)
 
 
-def _ratio(value) -> str:
-    return "-" if value is None else f"{value:.3f}"
+COLUMNS = (Column("row", width=18), Column("step ms", ".2f", width=8),
+           Column("min-max ms", width=13, align="right"), Column("/peer", ".3f", width=6),
+           Column("/worst", ".3f", width=6), Column("peak MiB", ".0f", width=8),
+           Column("act MiB", ".0f", width=7), Column("sent MiB", ".1f", width=8),
+           Column("/peer", ".3f", width=6), Column("meta KiB", ".1f", width=8),
+           Column("flags (over budget, overflow, reruns)"))
+PROFILE_COLUMNS = (Column("row", width=18), Column("rank", width=4, align="right"),
+                   Column("kernel ms", ".2f", width=9), Column("kernels", ".0f", width=7)) + \
+    tuple(Column(g, width=max(6, len(g)), align="right") for g in GROUPS)
 
 
-def print_table(name: str, entry: dict) -> None:
-    """One configuration's rows, as :func:`run_rank` returns them."""
-    c, ep, results = entry["config"], entry["ep"], entry["results"]
-    print(f"\nMoE expert parallel {name}: {c['layers']} layers, hidden {c['hidden']}, ffn "
-          f"{c['ffn']}{' (gated)' if c['gated'] else ''}, {c['num_experts']} experts top-"
-          f"{c['topk']}, {c['num_tokens']} tokens/rank, capacity factor {c['capacity_factor']}, "
-          f"EP={ep['world_size']} as {ep['launch']}, bf16, {ep['gpu']}")
-    print(f"{'row':<20}{'step ms':>9}{'/peer':>7}{'/worst':>8}{'peak MiB':>10}{'act MiB':>9}"
-          f"{'sent MiB':>10}{'/peer':>7}{'meta KiB':>10}  flags (over budget, overflow, reruns)")
+def title(name: str, entry: dict) -> str:
+    """The line above a configuration's table (``entry`` as :func:`run_rank` returns it)."""
+    c, ep = entry["config"], entry["ep"]
+    return (f"MoE expert parallel {name}: {c['layers']} layers, hidden {c['hidden']}, ffn "
+            f"{c['ffn']}{' (gated)' if c['gated'] else ''}, {c['num_experts']} experts top-"
+            f"{c['topk']}, {c['num_tokens']} tokens/rank, capacity factor "
+            f"{c['capacity_factor']}, EP={ep['world_size']} as {ep['launch']}, bf16, {ep['gpu']}")
+
+
+def table_row(row: str, r: dict) -> list:
+    """The values of ``row``'s line in the table (``r``: its figures, ratios where known)."""
+    stashed = (f"; stashed {r['stashed_groups']}/{r['groups']} groups" if r["groups"] else "")
+    return [row, r["step_ms"], range_text(r.get("step_ms_spread")), r.get("vs_eager_peer"),
+            r.get("vs_worst_case"), r["peak_mib"], r["activation_peak_mib"], r["sent_mib"],
+            r.get("sent_vs_eager_peer"), r["meta_kib"],
+            f"{r['over_budget']}, {r['overflow']}, {r['reruns']} of {r['calls']} calls{stashed}"]
+
+
+def notes(entry: dict) -> list:
+    """The lines under a configuration's table."""
+    lines = ["figures: per rank, the largest over the ranks (min-max: the timed steps' range); "
+             "sent: rows (and router weights) written into other ranks per step (transports: "
+             "device counters over the timed steps; peers: their collectives' split sizes "
+             "over the warmup steps); meta: counts, flags and signals"]
+    if entry["ep"]["kind"] == "threads":
+        lines.append("in-process ranks share one device: peak and activation peak are the "
+                     "device's divided by the ranks")
+    if entry["ep"]["kind"] == "processes" and entry["ep"].get("transport") != "gloo":
+        lines.append("ranks are processes taking turns on one GPU: every barrier waits for a "
+                     "time slice, so these step times measure the time slicing, not the "
+                     "exchange (docs/exchange.md); correct, not fast")
+    return lines
+
+
+def print_profile(out: Output, results: dict) -> None:
+    """Each row's kernel time per step on each rank and its shares (``--profile``)."""
+    rows = []
     for row, r in results.items():
+        for rank, k in enumerate(r.get("kernels") or []):
+            share = k["shares"] or {}
+            rows.append([row, rank, k["kernel_ms_per_step"], k["kernels_per_step"]]
+                        + [None if g not in share else f"{100 * share[g]:.1f}%"
+                           for g in GROUPS])
+    if not rows:
+        return
+    out.note(f"kernel time per step on each rank (torch.profiler, {PROFILE_STEPS} calls after "
+             "the timed ones) and its shares")
+    out.whole(PROFILE_COLUMNS, rows)
+    out.note("shares of the rank's summed kernel time, kernels grouped by name "
+             "(graphstash/tools/bench/kernel_share.py; exchange: gs_xchg_* and NCCL kernels)")
+
+
+def print_table(name: str, entry: dict, out: Output | None = None) -> None:
+    """One configuration's rows at once (``entry`` as :func:`run_rank` returns it)."""
+    out = Output() if out is None else out
+    out.title(title(name, entry))
+    table = out.table(COLUMNS)
+    for row, r in entry["results"].items():
         if "error" in r:
-            print(f"{row:<20}  {r['error']}")
-            continue
-        stashed = (f"; stashed {r['stashed_groups']}/{r['groups']} groups" if r["groups"]
-                   else "")
-        print(f"{row:<20}{r['step_ms']:>9.2f}{_ratio(r['vs_eager_peer']):>7}"
-              f"{_ratio(r['vs_worst_case']):>8}{r['peak_mib']:>10.0f}"
-              f"{r['activation_peak_mib']:>9.0f}{r['sent_mib']:>10.1f}"
-              f"{_ratio(r['sent_vs_eager_peer']):>7}{r['meta_kib']:>10.1f}  {r['over_budget']}, "
-              f"{r['overflow']}, {r['reruns']} of {r['calls']} calls{stashed}")
-    print("figures: per rank, the largest over the ranks; sent: rows (and router weights) "
-          "written into other ranks per step (transports: device counters over the timed "
-          "steps; peers: their collectives' split sizes over the warmup steps); meta: counts, "
-          "flags and signals")
-    if ep["kind"] == "threads":
-        print("in-process ranks share one GPU: peak and activation peak are the device's "
-              "divided by the ranks")
-    if ep["kind"] == "processes":
-        print("ranks are processes taking turns on one GPU: every barrier waits for a time "
-              "slice, so these step times measure the time slicing, not the exchange "
-              "(docs/exchange.md); correct, not fast")
+            table.span(row, r["error"])
+        else:
+            table.row(table_row(row, r))
+    for line in notes(entry):
+        out.note(line)
+    print_profile(out, entry["results"])
+    out.end()
 
 
-def run_rank(ranks, plan: Plan) -> dict:
-    """Every configuration and row of ``plan`` on this rank; rank 0 prints the tables.
-    Returns ``{config: {"config", "ep", "results": {row: figures}}}`` (JSON-able)."""
+RATIOS = {"vs_eager_peer": "/peer", "vs_worst_case": "/worst",
+          "sent_vs_eager_peer": "sent /peer"}       # figure -> its column
+
+
+def run_rank(ranks, plan: Plan, out: Output | None = None) -> dict:
+    """Every configuration and row of ``plan`` on this rank; rank 0 prints each row as soon as
+    it is measured (its ratios once the rows they are taken against ran: rows measured before
+    get theirs in a line under the table) and shows the progress. Returns ``{config:
+    {"config", "ep", "results": {row: figures}}}`` (JSON-able)."""
     device = ranks.device
     on_gpu = device.type == "cuda"
+    shown = ranks.rank == 0
+    out = Output() if out is None and shown else out
     if plan.launch.kind != "threads" and on_gpu:
         prepare(device)
     ranks.sync()
-    gpu = torch.cuda.get_device_name(device) if on_gpu else "the CPU (eager, gloo)"
-    out = {}
-    for name, config in plan.configs.items():
-        if name in plan.fit:
-            ranks.sync()
-            free, _ = torch.cuda.mem_get_info(device)
-            fit = fit_layers(config, ranks.world_size, ranks.ranks_per_device, free, plan.rows)
-            config = dataclasses.replace(config, layers=int(ranks.smallest([fit])[0]))
-        batches = training.batches(config, BATCHES, seed=1234 + ranks.rank, device=device,
-                                   dtype=DTYPE)
-        results = {}
-        for row in plan.rows:
-            why = unavailable(row, plan.launch.kind, plan.launch.transport)
-            results[row] = ({"error": why} if why is not None
-                            else measure_row(row, config, ranks, batches, plan.steps,
-                                             stash=plan.stash))
-        add_ratios(results)
-        entry = {"config": dataclasses.asdict(config),
-                 "ep": {"world_size": ranks.world_size, "kind": plan.launch.kind,
-                        "launch": plan.launch.describe(), "transport": plan.launch.transport,
-                        "gpu": gpu},
-                 "results": results}
-        if ranks.rank == 0:
-            print_table(name, entry)
-        out[name] = entry
-        del batches
-    return out
+    gpu = torch.cuda.get_device_name(device) if on_gpu else "the CPU"
+    calls = training.WARMUP + 1 + plan.steps + (PROFILE_STEPS if plan.profile else 0)
+    results_out = {}
+    with progress.bar(len(plan.configs) * len(plan.rows), "bench moe --ep", unit="row",
+                      show=shown) as overall, training.quiet_cpu_graph_step(on_gpu):
+        for name, config in plan.configs.items():
+            if name in plan.fit:
+                ranks.sync()
+                free, _ = torch.cuda.mem_get_info(device)
+                fit = fit_layers(config, ranks.world_size, ranks.ranks_per_device, free,
+                                 plan.rows)
+                config = dataclasses.replace(config, layers=int(ranks.smallest([fit])[0]))
+            batches = training.batches(config, BATCHES, seed=1234 + ranks.rank, device=device,
+                                       dtype=DTYPE)
+            entry = {"config": dataclasses.asdict(config),
+                     "ep": {"world_size": ranks.world_size, "kind": plan.launch.kind,
+                            "launch": plan.launch.describe(),
+                            "transport": plan.launch.transport, "gpu": gpu},
+                     "results": {}}
+            results, pending = entry["results"], {}
+            if shown:
+                out.title(title(name, entry))
+                table = out.table(COLUMNS)
+            for row in plan.rows:
+                why = unavailable(row, plan.launch.kind, plan.launch.transport)
+                if why is not None:
+                    results[row] = {"error": why}
+                else:
+                    with progress.bar(calls, f"{name}: {row}", show=shown) as bar:
+                        results[row] = measure_row(row, config, ranks, batches, plan.steps,
+                                                   stash=plan.stash, profile=plan.profile,
+                                                   on_call=bar.update)
+                overall.update()
+                if not shown:
+                    continue
+                if "error" in results[row]:
+                    table.span(row, results[row]["error"])
+                    continue
+                add_ratios(results)            # against the rows measured so far
+                missing = [k for k in RATIOS if results[row].get(k) is None]
+                if missing:
+                    pending[row] = missing
+                table.row(table_row(row, results[row]))
+            add_ratios(results)
+            if shown:
+                late = {row: [k for k in keys if results[row].get(k) is not None]
+                        for row, keys in pending.items()}
+                late = {row: keys for row, keys in late.items() if keys}
+                if late:
+                    out.note("ratios of the rows measured before the rows they are taken "
+                             "against: " + "; ".join(
+                                 f"{row} " + ", ".join(f"{RATIOS[k]} {results[row][k]:.3f}"
+                                                       for k in keys)
+                                 for row, keys in late.items()))
+                for line in notes(entry):
+                    out.note(line)
+                print_profile(out, results)
+            results_out[name] = entry
+            del batches
+    if shown:
+        out.end()
+    return results_out
 
 
-def run(quick: bool = False, args=None) -> dict:
+def run(quick: bool = False, args=None, *, device=None, out: Output | None = None) -> dict:
     """Run the expert-parallel bench the command line asks for (NOTE [expert-parallel bench
-    launch]); returns what rank 0's :func:`run_rank` returned."""
+    launch]) on ``device`` (default: the current CUDA device; the CPU runs the ranks as
+    threads); returns what rank 0's :func:`run_rank` returned. ``out``: where rank 0's tables
+    go (ranks in other processes print plain text)."""
     from . import ep_ranks
 
     launch = launch_from_args(args)
@@ -456,7 +593,8 @@ def run(quick: bool = False, args=None) -> dict:
     explicit_layers = getattr(args, "layers", None) is not None
     fit = () if quick or explicit_layers else tuple(configs)
     steps = getattr(args, "steps", None) or (5 if quick else 20)
-    plan = Plan(launch, configs, rows_from_args(args), steps, fit)
+    plan = Plan(launch, configs, rows_from_args(args), steps, fit,
+                profile=bool(getattr(args, "profile", False)))
     if launch.kind == "torchrun":
         import torch.distributed as dist
 
@@ -468,10 +606,23 @@ def run(quick: bool = False, args=None) -> dict:
             dist.init_process_group("nccl", device_id=device)
         ranks = ep_ranks.ProcessRanks(dist.group.WORLD, device, launch="torchrun",
                                       transport=launch.transport)
-        return run_rank(ranks, plan)
-    index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
-    device = torch.device("cuda", index)
+        return run_rank(ranks, plan, out)
+    if device is None:
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+        device = torch.device("cuda", index)
+    device = torch.device(device)
     if launch.kind == "threads":
-        prepare(device)
-        return ep_ranks.run_threads(launch.world_size, device, run_rank, plan)[0]
-    return ep_ranks.spawn_processes(launch.world_size, device.index, run_rank, plan)[0]
+        if device.type == "cuda":
+            prepare(device)
+        return ep_ranks.run_threads(launch.world_size, device, run_rank, plan, out)[0]
+    fmt = out.fmt if out is not None else "text"
+    meta = out.meta if out is not None else None
+    index = device.index if device.type == "cuda" else None      # None: gloo on the CPU
+    return ep_ranks.spawn_processes(launch.world_size, index, run_rank_printing, plan, fmt,
+                                    meta)[0]
+
+
+def run_rank_printing(ranks, plan: Plan, fmt: str, meta) -> dict:
+    """:func:`run_rank` in a spawned process: rank 0 prints in ``fmt`` with ``meta``."""
+    return run_rank(ranks, plan, Output(fmt, meta, source_first=False)
+                    if ranks.rank == 0 else None)

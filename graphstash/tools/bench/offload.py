@@ -19,6 +19,21 @@ import torch.nn.functional as F
 
 from ...offload import ActivationOffloader
 from ...swap import TensorSwapper
+from ...tables import Column
+from .. import progress
+from ..output import Output
+
+SUMMARY = ("activation offload and tensor swap next to no offload and torch's save_on_cpu: step "
+           "time and peak memory")
+DESCRIPTION = ("Runs a stack of float32 transformer blocks four ways (no offload, graphstash "
+               "offload, graphstash swap, torch.autograd.graph.save_on_cpu) and prints the step "
+               "time, its ratio to no offload, the peak memory, its drop and that drop as a "
+               "share of the bytes moved; first the premise: a block's compute against moving "
+               "its saved tensors over PCIe.")
+COLUMNS = (Column("mode", width=20), Column("step ms", ".2f", width=8),
+           Column("x none", ".3f", width=6), Column("peak MiB", ".0f", width=8),
+           Column("drop MiB", ".0f", width=8), Column("moved MiB", ".0f", width=9),
+           Column("drop/moved", width=10, align="right"))
 
 
 class _Block(torch.nn.Module):
@@ -107,8 +122,10 @@ def _saved_bytes(block, x) -> int:
     return sum(storages.values())
 
 
-def run(quick: bool = False) -> dict:
-    """Run the offload benchmark on the current CUDA device; print a table and return the numbers.
+def run(quick: bool = False, args=None, *, out: Output | None = None) -> dict:
+    """Run the offload benchmark on the current CUDA device; print each mode's row as soon as it
+    is measured (a progress bar on stderr) and return the numbers. Step times are the mean of
+    ``iters`` back-to-back steps between two CUDA events (no median, so no spread).
 
     Returns ``{"config": {...}, "per_block": {...}, "results": {mode: {"step_ms", "peak_mib",
     "moved_mib", "peak_drop_mib", "drop_of_moved", "time_vs_none"}}}``.
@@ -119,6 +136,7 @@ def run(quick: bool = False) -> dict:
     """
     if not torch.cuda.is_available():
         raise RuntimeError("graphstash bench offload needs a CUDA GPU; none is visible")
+    out = Output() if out is None else out
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     width, heads, seq, batch, layers = (2048, 16, 1024, 2, 4) if quick else (4096, 32, 2048, 2, 8)
@@ -137,48 +155,45 @@ def run(quick: bool = False) -> dict:
         "graphstash swap": TensorSwapper(min_tensor_bytes=1 << 20),
         "save_on_cpu": None,
     }
+    out.title(f"offload bench: {layers} blocks, width {width}, seq {seq}, batch {batch}, "
+              "float32")
+    out.note(f"per block: fwd+bwd {compute_ms:.2f} ms; saved {saved / 2**20:.0f} MiB: "
+             f"D2H {d2h_ms:.2f} ms, H2D {h2d_ms:.2f} ms "
+             f"(compute/transfer = {compute_ms / max(d2h_ms, h2d_ms):.2f})")
+    table = out.table(COLUMNS)
     results = {}
-    for mode, tool in tools.items():
-        def step():
-            _forward(blocks, x, mode, tool).backward()
+    with progress.bar(len(tools), "bench offload", unit="mode") as bar:
+        for mode, tool in tools.items():
+            def step():
+                _forward(blocks, x, mode, tool).backward()
 
-        for _ in range(2):
-            step()                                   # warmup: pools, streams, layer counts
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step_ms = _time(step, iters)
-        peak = torch.cuda.max_memory_allocated() - base
-        moved = None
-        if isinstance(tool, ActivationOffloader):
-            moved = tool.summary()["total"]
-        elif isinstance(tool, TensorSwapper):
-            moved = tool.swapped_bytes("blocks.*")
-        results[mode] = {"step_ms": step_ms, "peak_mib": peak / 2**20,
-                         "moved_mib": None if moved is None else moved / 2**20}
-        blocks.zero_grad(set_to_none=True)
-        if tool is not None:
-            tool.release()
-    ref = results["no offload"]
-    for r in results.values():
-        r["time_vs_none"] = r["step_ms"] / ref["step_ms"]
-        r["peak_drop_mib"] = ref["peak_mib"] - r["peak_mib"]
-        r["drop_of_moved"] = (None if not r["moved_mib"] else r["peak_drop_mib"] / r["moved_mib"])
-
-    print(f"offload bench: {layers} blocks, width {width}, seq {seq}, batch {batch}, float32")
-    print(f"per block: fwd+bwd {compute_ms:.2f} ms; saved {saved / 2**20:.0f} MiB: "
-          f"D2H {d2h_ms:.2f} ms, H2D {h2d_ms:.2f} ms "
-          f"(compute/transfer = {compute_ms / max(d2h_ms, h2d_ms):.2f})")
-    header = (f"{'mode':<20} {'step ms':>9} {'x none':>7} {'peak MiB':>10} {'drop MiB':>9} "
-              f"{'moved MiB':>10} {'drop/moved':>10}")
-    print(header)
-    print("-" * len(header))
-    for mode, r in results.items():
-        moved = "-" if r["moved_mib"] is None else f"{r['moved_mib']:.0f}"
-        share = "-" if r["drop_of_moved"] is None else f"{r['drop_of_moved']:.1%}"
-        print(f"{mode:<20} {r['step_ms']:>9.2f} {r['time_vs_none']:>7.3f} {r['peak_mib']:>10.0f} "
-              f"{r['peak_drop_mib']:>9.0f} {moved:>10} {share:>10}")
+            for _ in range(2):
+                step()                                   # warmup: pools, streams, layer counts
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step_ms = _time(step, iters)
+            peak = torch.cuda.max_memory_allocated() - base
+            moved = None
+            if isinstance(tool, ActivationOffloader):
+                moved = tool.summary()["total"]
+            elif isinstance(tool, TensorSwapper):
+                moved = tool.swapped_bytes("blocks.*")
+            r = results[mode] = {"step_ms": step_ms, "peak_mib": peak / 2**20,
+                                 "moved_mib": None if moved is None else moved / 2**20}
+            blocks.zero_grad(set_to_none=True)
+            if tool is not None:
+                tool.release()
+            ref = results["no offload"]                  # the first mode
+            r["time_vs_none"] = r["step_ms"] / ref["step_ms"]
+            r["peak_drop_mib"] = ref["peak_mib"] - r["peak_mib"]
+            r["drop_of_moved"] = (None if not r["moved_mib"]
+                                  else r["peak_drop_mib"] / r["moved_mib"])
+            table.row([mode, r["step_ms"], r["time_vs_none"], r["peak_mib"],
+                       r["peak_drop_mib"], r["moved_mib"],
+                       None if r["drop_of_moved"] is None else f"{r['drop_of_moved']:.1%}"])
+            bar.update()
     return {
         "config": {"layers": layers, "width": width, "heads": heads, "seq": seq, "batch": batch,
                    "dtype": "float32", "iters": iters},

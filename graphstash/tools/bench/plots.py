@@ -82,7 +82,8 @@ def _stash(result: dict, plt):
 
 
 def write(results: dict, directory) -> list[pathlib.Path]:
-    """Write one PNG per suite in ``results`` (as returned by the suites' ``run``)."""
+    """Write one PNG per suite in ``results`` (as returned by the suites' ``run``; the run's
+    ``meta`` block, where there is one, is not a suite)."""
     plt = pyplot()
     out = pathlib.Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,6 +94,8 @@ def write(results: dict, directory) -> list[pathlib.Path]:
               "hf": lambda r, p: _modes(r, p, "hf")}
     written = []
     for suite, result in results.items():
+        if suite == "meta":
+            continue
         fig = makers[suite](result, plt)
         fig.tight_layout()
         path = out / f"{suite}.png"

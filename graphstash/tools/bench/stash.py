@@ -19,7 +19,26 @@ import torch
 import torch.nn.functional as F
 
 from ...stash import StashConfig, StashManager, stash_activations
-from .timing import capture, time_calls, time_calls_interleaved, time_replays_interleaved
+from ...tables import Column
+from .. import progress
+from ..output import Output
+from .spread import spread
+from .timing import call_samples_interleaved, capture, replay_samples_interleaved
+
+SUMMARY = "stashing activations through autograd, next to its baselines"
+DESCRIPTION = ("Runs an MoE-like stack of expert MLPs on static budget buffers, half their rows "
+               "live, three ways in one process: without stashing, with stash_activations and "
+               "exact-size; prints peak memory, step time eagerly and replayed from a CUDA graph, "
+               "and how much of the copy time ran beside compute.")
+COLUMNS = (Column("config", width=13), Column("L", width=2, align="right"),
+           Column("budget", width=6, align="right"), Column("hidden", width=6, align="right"),
+           Column("ffn", width=5, align="right"), Column("peak MiB plain", ".1f", width=14),
+           Column("stash", ".1f", width=7), Column("ratio", ".3f", width=5),
+           Column("exact", ".1f", width=7), Column("ms plain", ".2f", width=8),
+           Column("stash", ".2f", width=7), Column("ratio", ".3f", width=5),
+           Column("exact", ".2f", width=7), Column("graph plain", ".2f", width=11),
+           Column("stash", ".2f", width=7), Column("copy ms", ".2f", width=7),
+           Column("overlap", width=7, align="right"))
 
 
 class ExpertStack(torch.nn.Module):
@@ -316,16 +335,20 @@ def config_run(name: str, layers: int, budget: int, hidden: int, ffn: int, iters
         _step(model, x, counts)
     torch.cuda.synchronize()
     mallocs = _mallocs(device)
-    times = time_calls_interleaved({"plain": lambda: _step(model, x, counts),
-                                    "stash": lambda: _step(model, x, counts, manager)},
-                                   repeats=iters, inner=3, warmup=3)
-    res["time_plain_ms"], res["time_stash_ms"] = times["plain"], times["stash"]
+    times = call_samples_interleaved({"plain": lambda: _step(model, x, counts),
+                                      "stash": lambda: _step(model, x, counts, manager)},
+                                     repeats=iters, inner=3, warmup=3)
+    for key in ("plain", "stash"):
+        res[f"time_{key}_ms_spread"] = spread(times[key])
+        res[f"time_{key}_ms"] = res[f"time_{key}_ms_spread"]["median"]
     res["mallocs_in_timed_stash_steps"] = _mallocs(device) - mallocs
     if _pool_state(manager) != pools:
         raise AssertionError("the stash pool was (re)allocated during the timed steps")
-    res["time_exact_ms"] = time_calls(lambda: model.forward_exact(x, [live] * layers).float()
-                                      .square().mean().backward(), repeats=iters, inner=3,
-                                      warmup=3)
+    exact = call_samples_interleaved({"exact": lambda: model.forward_exact(x, [live] * layers)
+                                      .float().square().mean().backward()}, repeats=iters,
+                                     inner=3, warmup=3)["exact"]
+    res["time_exact_ms_spread"] = spread(exact)
+    res["time_exact_ms"] = res["time_exact_ms_spread"]["median"]
     # ---- overlap evidence --------------------------------------------------------------------
     # Event intervals: copies on the side streams against expert compute (forward, timed from
     # after the group's entry, so a wait for the previous stash is not counted as compute).
@@ -357,8 +380,10 @@ def config_run(name: str, layers: int, budget: int, hidden: int, ffn: int, iters
             graphs = {"plain": capture(lambda: _step(model, x, counts))}
             manager.clear_status()
             graphs["stash"] = capture(lambda: _step(model, x, counts, manager))
-            times = time_replays_interleaved(graphs, iters)
-            res["graph_plain_ms"], res["graph_stash_ms"] = times["plain"], times["stash"]
+            times = replay_samples_interleaved(graphs, iters)
+            for key in ("plain", "stash"):
+                res[f"graph_{key}_ms_spread"] = spread(times[key])
+                res[f"graph_{key}_ms"] = res[f"graph_{key}_ms_spread"]["median"]
             del graphs
             res["status_after"] = {k: v for k, v in manager.read_status().items()
                                    if k in ("overflow", "host_spill")}
@@ -368,43 +393,48 @@ def config_run(name: str, layers: int, budget: int, hidden: int, ffn: int, iters
     return name, res
 
 
-def run(quick: bool = False) -> dict:
-    """Run the benchmark on the current CUDA device; print a table and return the numbers."""
+def run(quick: bool = False, args=None, *, out: Output | None = None) -> dict:
+    """Run the benchmark on the current CUDA device; print each configuration's row as soon as
+    it is measured (a progress bar on stderr) and return the numbers (each median time with
+    its ``*_spread`` beside it)."""
     if not torch.cuda.is_available():
         raise RuntimeError("graphstash bench stash: needs a CUDA GPU; torch sees none")
+    out = Output() if out is None else out
     device = torch.device("cuda", torch.cuda.current_device())
     iters = 3 if quick else 10
     configs = [("memory", 8, 4096 if quick else 8192, 1024, 4096),
                ("compute-heavy", 8, 4096 if quick else 8192, 2048 if quick else 4096,
                 8192 if quick else 16384)]
     results = {}
-    for name, layers, budget, hidden, ffn in configs:
-        key, res = config_run(name, layers, budget, hidden, ffn, iters, True, device)
-        results[key] = res
-        torch.cuda.empty_cache()
     mib = 1 / 2**20
-    print(f"stash_activations on {torch.cuda.get_device_name(device)} (bf16, budget = 2 x live)")
-    print(f"{'config':<14} {'L':>2} {'budget':>6} {'hidden':>6} {'ffn':>6} | "
-          f"{'peak MiB plain':>14} {'stash':>8} {'ratio':>6} {'exact':>8} | "
-          f"{'ms plain':>8} {'stash':>8} {'ratio':>6} {'exact':>8} | "
-          f"{'graph plain':>11} {'stash':>8} | {'copy ms':>7} {'overlap':>7}")
-    for name, r in results.items():
-        gp, gs = r.get("graph_plain_ms"), r.get("graph_stash_ms")
-        print(f"{name:<14} {r['layers']:>2} {r['budget']:>6} {r['hidden']:>6} {r['ffn']:>6} | "
-              f"{r['peak_plain'] * mib:>14.1f} {r['peak_stash'] * mib:>8.1f} "
-              f"{r['peak_stash'] / r['peak_plain']:>6.3f} {r['peak_exact'] * mib:>8.1f} | "
-              f"{r['time_plain_ms']:>8.2f} {r['time_stash_ms']:>8.2f} "
-              f"{r['time_stash_ms'] / r['time_plain_ms']:>6.3f} {r['time_exact_ms']:>8.2f} | "
-              f"{(f'{gp:.2f}' if gp else '-'):>11} {(f'{gs:.2f}' if gs else '-'):>8} | "
-              f"{r['copy_ms']:>7.2f} {r['copy_overlap']:>7.1%}")
-        if r.get("steady_state_sync"):
-            print(f"  host sync in a steady-state stash step: {r['steady_state_sync']}")
-        if "graph_error" in r:
-            print(f"  graph capture failed: {r['graph_error']}")
-        print(f"  {name}: peak with StashConfig(prefetch='after_release') "
-              f"{r['peak_stash_after_release'] * mib:.1f} MiB, ratio "
-              f"{r['peak_stash_after_release'] / r['peak_plain']:.3f}")
-    print("peak: max allocated during one fwd+bwd above the memory before it (stash: plus its "
-          "pool); overlap: share of stash/reload kernel time beside another kernel (kernel "
-          "trace; else beside a forward expert-compute interval)")
+    out.title(f"stash_activations on {torch.cuda.get_device_name(device)} (bf16, budget = 2 x "
+              "live; peak MiB, then ms eager, then ms replayed from a CUDA graph)")
+    table = out.table(COLUMNS)
+    notes = []
+    with progress.bar(len(configs), "bench stash", unit="config") as bar:
+        for name, layers, budget, hidden, ffn in configs:
+            key, r = config_run(name, layers, budget, hidden, ffn, iters, True, device)
+            results[key] = r
+            torch.cuda.empty_cache()
+            table.row([name, r["layers"], r["budget"], r["hidden"], r["ffn"],
+                       r["peak_plain"] * mib, r["peak_stash"] * mib,
+                       r["peak_stash"] / r["peak_plain"], r["peak_exact"] * mib,
+                       r["time_plain_ms"], r["time_stash_ms"],
+                       r["time_stash_ms"] / r["time_plain_ms"], r["time_exact_ms"],
+                       r.get("graph_plain_ms"), r.get("graph_stash_ms"), r["copy_ms"],
+                       f"{r['copy_overlap']:.1%}"])
+            bar.update()
+            if r.get("steady_state_sync"):
+                notes.append(f"{name}: host sync in a steady-state stash step: "
+                             f"{r['steady_state_sync']}")
+            if "graph_error" in r:
+                notes.append(f"{name}: graph capture failed: {r['graph_error']}")
+            notes.append(f"{name}: peak with StashConfig(prefetch='after_release') "
+                         f"{r['peak_stash_after_release'] * mib:.1f} MiB, ratio "
+                         f"{r['peak_stash_after_release'] / r['peak_plain']:.3f}")
+    for line in notes:
+        out.note(line)
+    out.note("peak: max allocated during one fwd+bwd above the memory before it (stash: plus "
+             "its pool); overlap: share of stash/reload kernel time beside another kernel "
+             "(kernel trace; else beside a forward expert-compute interval)")
     return results

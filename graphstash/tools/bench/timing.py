@@ -1,4 +1,6 @@
-"""Timing helpers for the benchmarks: CUDA events around graph replays, medians."""
+"""Timing helpers for the benchmarks: CUDA events around graph replays, medians, and the
+samples behind them (``*_samples``: their spread goes beside each median,
+:mod:`graphstash.tools.bench.spread`)."""
 from __future__ import annotations
 
 import statistics
@@ -40,6 +42,12 @@ def capture(fn: Callable[[], None], warmup: int = 2) -> torch.cuda.CUDAGraph:
 def event_ms(fn: Callable[[], object], repeats: int = 7) -> float:
     """Median milliseconds of ``fn()`` between two CUDA events on the current stream, over
     ``repeats`` calls (each synchronized before the next)."""
+    return statistics.median(event_samples(fn, repeats))
+
+
+def event_samples(fn: Callable[[], object], repeats: int = 7) -> list:
+    """Milliseconds of each of ``repeats`` calls of ``fn()`` between two CUDA events on the
+    current stream (each synchronized before the next)."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -48,13 +56,20 @@ def event_ms(fn: Callable[[], object], repeats: int = 7) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
 
 
 def time_replays_interleaved(graphs: dict, repeats: int = 7) -> dict:
     """Median milliseconds of one replay of each graph in ``{name: CUDAGraph}``, replayed in
     alternating rounds (NOTE [interleaved timing] in ``graph.py``: clock or thermal drift then
     favours none of them); one warm-up replay each."""
+    return {name: statistics.median(times)
+            for name, times in replay_samples_interleaved(graphs, repeats).items()}
+
+
+def replay_samples_interleaved(graphs: dict, repeats: int = 7) -> dict:
+    """The samples :func:`time_replays_interleaved` takes the medians of: ``{name: [ms of one
+    replay, per round]}``."""
     for graph in graphs.values():
         graph.replay()
     torch.cuda.synchronize()
@@ -62,14 +77,20 @@ def time_replays_interleaved(graphs: dict, repeats: int = 7) -> dict:
     for _ in range(repeats):
         for name, graph in graphs.items():
             samples[name].append(event_ms(graph.replay, 1))
-    return {name: statistics.median(times) for name, times in samples.items()}
+    return samples
 
 
 def time_replays(graph: torch.cuda.CUDAGraph, repeats: int = 7) -> float:
     """Median milliseconds of one replay of ``graph`` (CUDA events; one warm-up replay)."""
+    return statistics.median(replay_samples(graph, repeats))
+
+
+def replay_samples(graph: torch.cuda.CUDAGraph, repeats: int = 7) -> list:
+    """Milliseconds of each of ``repeats`` replays of ``graph`` (CUDA events; one warm-up
+    replay first)."""
     graph.replay()
     torch.cuda.synchronize()
-    return event_ms(graph.replay, repeats)
+    return event_samples(graph.replay, repeats)
 
 
 def time_calls(fn: Callable[[], None], repeats: int = 7, inner: int = 5, warmup: int = 1) -> float:
@@ -83,6 +104,14 @@ def time_calls_interleaved(fns: dict, repeats: int = 7, inner: int = 5,
                            warmup: int = 1) -> dict:
     """:func:`time_calls` of every function in ``{name: fn}``, their samples taken in
     alternating rounds (NOTE [interleaved timing] in ``graph.py``)."""
+    return {name: statistics.median(times)
+            for name, times in call_samples_interleaved(fns, repeats, inner, warmup).items()}
+
+
+def call_samples_interleaved(fns: dict, repeats: int = 7, inner: int = 5,
+                             warmup: int = 1) -> dict:
+    """The samples :func:`time_calls_interleaved` takes the medians of: ``{name: [ms per
+    call, per round]}``."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -96,7 +125,7 @@ def time_calls_interleaved(fns: dict, repeats: int = 7, inner: int = 5,
     for _ in range(repeats):
         for name, fn in fns.items():
             samples[name].append(event_ms(lambda: inner_calls(fn), 1) / inner)
-    return {name: statistics.median(times) for name, times in samples.items()}
+    return samples
 
 
 def eager_training_step(forward_backward: Callable, optimizer) -> Callable:
@@ -108,19 +137,3 @@ def eager_training_step(forward_backward: Callable, optimizer) -> Callable:
         optimizer.step()
         return loss
     return step
-
-
-def print_table(title: str, columns: list[str], rows: list[list]) -> None:
-    cells = [[str(c) for c in columns]] + [[_fmt(v) for v in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    print(f"\n{title}")
-    for k, r in enumerate(cells):
-        print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
-        if k == 0:
-            print("  ".join("-" * w for w in widths))
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
-    return str(v)

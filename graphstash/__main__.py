@@ -1,0 +1,7 @@
+"""``python -m graphstash``: the ``graphstash`` command (:mod:`graphstash.tools.cli`)."""
+from __future__ import annotations
+
+from graphstash.tools.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
