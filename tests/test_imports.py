@@ -217,15 +217,7 @@ def circles(graph: dict[str, set[str]]) -> set[frozenset]:
 
 # Import circles that are known and allowed for now. Each entry says why it is there and when
 # it goes; a circle not listed fails the test, and so does an entry whose circle is gone.
-ALLOWED_CIRCLES = {
-    # The expert-parallel exchange: transport.py imports plan.py and autograd.py inside the
-    # Transport methods that build the exchange (plan_exchange, exchange_dispatch /
-    # exchange_combine), while both import transport.py at module level. moe/exchange is being
-    # restructured so that the transport no longer calls up into the plan and autograd layers;
-    # that change removes this entry.
-    frozenset({"graphstash.moe.exchange.autograd", "graphstash.moe.exchange.plan",
-               "graphstash.moe.exchange.transport"}),
-}
+ALLOWED_CIRCLES: set[frozenset[str]] = set()
 
 
 @pytest.fixture(scope="module")
