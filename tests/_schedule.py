@@ -1,10 +1,10 @@
-"""Pipeline schedules the stash tests run on :class:`graphstash.tools.bench.stash.ExpertStack`:
+"""Pipeline schedules the stash tests run on :class:`graphstash.models.ExpertStack`:
 an interleaved 1F1B order and a runner that executes it, gradients accumulating."""
 from __future__ import annotations
 
 import torch
 
-from graphstash.tools.bench.stash import ExpertStack
+from graphstash.models import ExpertStack
 
 
 def one_f_one_b(microbatches: int, chunks: int, warmup: int | None = None) -> list:

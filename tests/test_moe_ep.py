@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graphstash import _layout as L
-from graphstash.tools.bench.timing import capture_with_output
+from _capture import capture_with_output
 from graphstash.moe import NcclChunks, budget_rows, combine, dispatch, grouped_mm
 
 from _faults import exchange_fault

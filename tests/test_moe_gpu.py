@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from graphstash import _layout as L
-from graphstash.tools.bench.timing import capture_with_output
+from _capture import capture_with_output
 from graphstash.models import MoEConfig, MoEModel
 from graphstash.moe import (budget_rows, combine, dispatch, expert_mlp,
                             grouped_mm)

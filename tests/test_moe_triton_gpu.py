@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from graphstash.tools.bench.timing import capture_with_output
+from _capture import capture_with_output
 from graphstash.errors import CaptureError
 from graphstash.moe import _triton_grouped as tg
 from graphstash.moe import expert_mlp, experts, grouped_mm, prepare_experts

@@ -11,7 +11,7 @@ import torch
 import graphstash
 from graphstash import (CaptureError, ReleasedError, SavedTensorsError, StaleHandleError,
                         StashOverflowError)
-from graphstash.tools.bench.stash import ExpertStack, make_inputs
+from graphstash.models import ExpertStack, make_inputs
 from graphstash.stash import (StashConfig, StashManager, current_manager,
                               stash_activations)
 

@@ -4,8 +4,9 @@
 expert MLP, combine) and :mod:`graphstash.stash`; :data:`PRESETS` holds configurations at the
 layer widths of real models. Nothing here touches the GPU at import time.
 """
+from .expert_stack import ExpertStack, make_inputs
 from .moe import PRESETS, MoEConfig, MoEModel, preset
 from .routing import Routing, parse_routing, routing_bias
 
-__all__ = ["PRESETS", "MoEConfig", "MoEModel", "Routing", "parse_routing", "preset",
-           "routing_bias"]
+__all__ = ["PRESETS", "ExpertStack", "MoEConfig", "MoEModel", "Routing", "make_inputs",
+           "parse_routing", "preset", "routing_bias"]
