@@ -74,3 +74,30 @@ def test_balanced_model_is_unchanged_and_bias_is_not_saved():
     for b in skewed.blocks:
         b.routing_bias.zero_()
     torch.testing.assert_close(plain(x), skewed(x), rtol=0, atol=0)
+
+
+def test_drift_steps_advance_with_each_call_of_a_bench_step():
+    from graphstash.tools.training import routed_step
+
+    config = MoEConfig(hidden=16, ffn=16, num_experts=4, layers=1, num_tokens=8,
+                       routing="drift:2:1")
+    model = MoEModel(config, seed=0)
+    seen = []
+    step = routed_step(model, lambda x: seen.append(model.blocks[0].routing_bias.clone()))
+    for _ in range(3):
+        step(None)
+    assert [b.nonzero()[0].item() for b in seen] == [0, 2, 0]      # moved at every call
+    still = MoEModel(MoEConfig(**{**config.__dict__, "routing": "skew:2"}), seed=0)
+    plain = object()
+    assert routed_step(still, plain) is plain                       # constant bias: unchanged
+
+
+def test_bench_flag_is_checked_by_name():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "graphstash", "bench", "moe", "--device", "cpu",
+                           "--quick", "--routing", "zipf"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc
+    assert "graphstash bench: error: --routing: expected 'balanced', 'skew:X'" in proc.stderr

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import warnings
 from typing import Callable
@@ -27,7 +28,7 @@ from typing import Callable
 import torch
 
 from ..graph import GraphStep, graph_step
-from ..models import MoEConfig, MoEModel
+from ..models import MoEConfig, MoEModel, parse_routing
 from ..moe import prepare_experts
 
 WARMUP = 2          # eager graph_step calls before the capture
@@ -152,11 +153,27 @@ def build(config: MoEConfig, mode: str, device: torch.device, dtype: torch.dtype
 
     forward_backward = forward_backward_of(runs)
     if not graphed:
-        return TrainingRun(model, opt, eager_step(forward_backward, opt), None, compiled)
+        return TrainingRun(model, opt, routed_step(model, eager_step(forward_backward, opt)),
+                           None, compiled)
     # dispatch raises its flags in the running step's status (no status= wiring)
     train_step = graph_step(forward_backward, optimizer=opt, stash=stash, warmup=warmup,
                             device=device)
-    return TrainingRun(model, opt, train_step, train_step, compiled)
+    return TrainingRun(model, opt, routed_step(model, train_step), train_step, compiled)
+
+
+def routed_step(model: MoEModel, step: Callable) -> Callable:
+    """``step``, with ``model``'s router bias set for each call's step number first when its
+    routing moves over the steps (``drift``: NOTE [training-like routing] in
+    ``graphstash/models/routing.py``); ``step`` itself otherwise (the bias is set once)."""
+    if parse_routing(model.config.routing).kind != "drift":
+        return step
+    calls = itertools.count()
+
+    def call(*args):
+        model.set_routing_step(next(calls))
+        return step(*args)
+
+    return call
 
 
 @contextlib.contextmanager

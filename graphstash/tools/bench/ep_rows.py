@@ -33,7 +33,7 @@ import torch
 from ...graph import graph_step
 from ...models import MoEConfig, MoEModel
 from ...moe.exchange import receive_rows
-from ..training import WARMUP, TrainingRun, eager_step, forward_backward_of
+from ..training import WARMUP, TrainingRun, eager_step, forward_backward_of, routed_step
 
 ROWS = ("eager peer", "nccl chunks", "worst-case buffers", "live rows", "live rows + stash")
 GRAPHED = ROWS[1:]
@@ -147,13 +147,14 @@ def build_row(row: str, config: MoEConfig, device: torch.device, dtype: torch.dt
 
     forward_backward = forward_backward_of(model)
     if not graphed:
-        return TrainingRun(model, opt, eager_step(forward_backward, opt), None)
+        return TrainingRun(model, opt, routed_step(model, eager_step(forward_backward, opt)),
+                           None)
     train_step = graph_step(forward_backward, optimizer=opt, warmup=warmup, device=device,
                             stash=stash if row == "live rows + stash" else None,
                             release_warmup_cache=release_warmup_cache)
     if transport is not None:
         train_step.step_status.register_reducer(transport)
-    return TrainingRun(model, opt, train_step, train_step)
+    return TrainingRun(model, opt, routed_step(model, train_step), train_step)
 
 
 def transport_bytes(before: dict, after: dict, steps: int) -> dict:

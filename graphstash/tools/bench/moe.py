@@ -113,6 +113,10 @@ def add_arguments(parser, *, presets=None) -> None:
         g.add_argument(f"--{name}", type=int, default=None, help=help_)
     g.add_argument("--capacity-factor", type=float, default=None,
                    help="static budget as a multiple of the average rows per rank")
+    g.add_argument("--routing", default=None,
+                   help="router logit bias, the same for every mode and peer: balanced "
+                   "(default), skew:X (one rank's experts favoured by X), zipf:S, "
+                   "drift[:X[:P]] (skew:X moving to the next rank's experts every P steps)")
     g.add_argument("--plain-experts", action="store_true",
                    help="SiLU experts instead of gated (SwiGLU) ones for --hidden/--ffn")
     g.add_argument("--modes", default=None,
@@ -281,7 +285,7 @@ def _title(name: str, config: MoEConfig, world: int, device_name: str) -> str:
     return (f"MoE {name}: {config.layers} layers, hidden {config.hidden}, ffn {config.ffn}"
             f"{' (gated)' if config.gated else ''}, {config.num_experts} experts top-"
             f"{config.topk}, {config.num_tokens} tokens/rank, capacity factor "
-            f"{config.capacity_factor}, EP={world}, {device_name}")
+            f"{config.capacity_factor}, routing {config.routing}, EP={world}, {device_name}")
 
 
 def _row(mode: str, r: dict) -> list:

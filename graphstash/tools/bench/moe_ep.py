@@ -211,7 +211,8 @@ def configs_from_args(args, quick: bool, *, notes: bool = True) -> dict:
     custom = "custom" in chosen
     preset = getattr(args, "preset", None)
     factor = getattr(args, "capacity_factor", None) or DEFAULT_CAPACITY_FACTOR
-    over = {"capacity_factor": factor, "chunk_factor": factor}
+    over = {"capacity_factor": factor, "chunk_factor": factor,
+            "routing": moe_setup.routing_from_args(args)}
     if quick and preset is None and not custom:
         for name in ("layers", "tokens"):
             value = getattr(args, name, None)
@@ -439,7 +440,8 @@ def title(name: str, entry: dict) -> str:
     return (f"MoE expert parallel {name}: {c['layers']} layers, hidden {c['hidden']}, ffn "
             f"{c['ffn']}{' (gated)' if c['gated'] else ''}, {c['num_experts']} experts top-"
             f"{c['topk']}, {c['num_tokens']} tokens/rank, capacity factor "
-            f"{c['capacity_factor']}, EP={ep['world_size']} as {ep['launch']}, bf16, {ep['gpu']}")
+            f"{c['capacity_factor']}, routing {c.get('routing', 'balanced')}, "
+            f"EP={ep['world_size']} as {ep['launch']}, bf16, {ep['gpu']}")
 
 
 def table_row(row: str, r: dict) -> list:

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from ...models import PRESETS, MoEConfig
+from ...models import PRESETS, MoEConfig, parse_routing
 from .. import options
 
 # NOTE [bench budgets]: the launch-bound and memory-bound configurations size their static
@@ -78,7 +78,18 @@ def configs_from_args(args, quick: bool, *, notes: bool = True) -> dict:
         if c.topk > c.num_experts:
             raise options.FlagError(f"--topk: expected at most the experts ({c.num_experts}), "
                                     f"got {c.topk}")
-    return out
+    routing = routing_from_args(args)
+    return {n: dataclasses.replace(c, routing=routing) for n, c in out.items()}
+
+
+def routing_from_args(args) -> str:
+    """``--routing`` as a canonical spec (NOTE [training-like routing] in
+    ``graphstash/models/routing.py``); FlagError naming it for a bad spec."""
+    value = getattr(args, "routing", None) or "balanced"
+    try:
+        return str(parse_routing(value))
+    except (TypeError, ValueError) as exc:
+        raise options.FlagError(f"--routing: {str(exc).split(': ', 1)[-1]}") from None
 
 
 @contextlib.contextmanager
