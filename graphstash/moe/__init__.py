@@ -5,12 +5,13 @@ The reference MoE model built from these pieces is :class:`graphstash.models.MoE
 
 Nothing here touches the GPU at import time.
 """
+from ..reference.activation import ExpertActivation
 from ._dispatch import (DispatchHandle, budget_rows, check_routing, combine, default_status,
                        dispatch)
 from .experts import GroupedMMSupport, grouped_mm, prepare_experts
 from .layer import moe_layer
 from .mlp import expert_mlp
 
-__all__ = ["DispatchHandle", "GroupedMMSupport", "budget_rows", "check_routing", "combine",
+__all__ = ["DispatchHandle", "ExpertActivation", "GroupedMMSupport", "budget_rows", "check_routing", "combine",
            "default_status", "dispatch", "expert_mlp", "grouped_mm", "moe_layer",
            "prepare_experts"]

@@ -34,7 +34,9 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
               capacity_factor: float | None = None, budget: int | None = None,
               pad_multiple: int | None = None, group=None, chunk_rows: int | None = None,
               stash=False, name: str = "moe.experts", status=None,
-              impl: str = "auto", exchange=None) -> torch.Tensor:
+              impl: str = "auto", exchange=None, activation="silu", interleaved: bool = False,
+              bias1: torch.Tensor | None = None, bias2: torch.Tensor | None = None,
+              post_norm=None) -> torch.Tensor:
     """``out[t] = sum_k topk_weight[t, k] * mlp_{topk_idx[t, k]}(x[t])`` over a static-budget
     dispatch, the count-aware expert MLP and combine (NOTE [moe layer]).
 
@@ -63,6 +65,11 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
         status: int32 ``[8]`` status for the dispatch's flags (default: the running step's,
             :func:`default_status`).
         impl: the grouped GEMM, as for :func:`grouped_mm`.
+        activation, interleaved, bias1, bias2: as for :func:`expert_mlp` (the activation's
+            kind and constants, gate and up rows interleaved, per-expert biases).
+        post_norm: a module or function applied to each expert's ``[rows, hidden]`` output
+            before the router weight (HuggingFace's ``post_expert_norm``), or None. With one,
+            the router weights are applied by the combine (``weighted=True``), after it.
     Returns ``[T, hidden]`` in x's dtype, differentiable in x, topk_weight, w1 and w2.
     Example::
 
@@ -104,9 +111,15 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
                                         chunk_rows=chunk_rows, status=status, exchange=exchange)
 
     def experts() -> torch.Tensor:
-        y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), gated=gated,
-                       impl=impl, handle=handle)
-        return combine(y, handle, weighted=False)
+        # NOTE [moe layer]: the router weights scale the activation, unless a norm follows
+        # the expert (it would undo the scale): then the combine weighs the normed rows
+        weights = handle.permuted_weights() if post_norm is None else None
+        y = expert_mlp(permuted, w1, w2, counts, weights, gated=gated, impl=impl,
+                       handle=handle, activation=activation, interleaved=interleaved,
+                       bias1=bias1, bias2=bias2)
+        if post_norm is None:
+            return combine(y, handle, weighted=False)
+        return combine(post_norm(y), handle, weighted=True)
 
     if manager is None or not torch.is_grad_enabled() or is_dropless():
         return experts()
