@@ -69,11 +69,10 @@ def _floats_of(module: nn.Module, act) -> tuple[float, ...]:
     return tuple(found) + tuple(v for v in _LITERALS if v not in found)
 
 
-def _probe(gated: bool, device="cpu") -> torch.Tensor:
+def _probe(gated: bool) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1234)
     width = 2 * _PROBE_FFN if gated else _PROBE_FFN
-    return (torch.randn(_PROBE_ROWS, width, generator=gen, dtype=torch.float64)
-            * _PROBE_SCALE).to(device)
+    return torch.randn(_PROBE_ROWS, width, generator=gen, dtype=torch.float64) * _PROBE_SCALE
 
 
 def _twin(pre: torch.Tensor, act: ExpertActivation, gated: bool,
@@ -135,6 +134,13 @@ def _read_activation(module: nn.Module) -> tuple[ExpertActivation, bool]:
            getattr(gate_fn, "__code__", None))
     if key in _cache:
         return _cache[key]
+    # on the CPU even inside a default-device context (from_pretrained builds on "meta")
+    with torch.device("cpu"):
+        _cache[key] = _identify(module, act, gated, gate_fn, floats)
+    return _cache[key]
+
+
+def _identify(module: nn.Module, act, gated: bool, gate_fn, floats) -> tuple:
     pre = _probe(gated)
     if gated:
         if gate_fn is None:
@@ -148,8 +154,7 @@ def _read_activation(module: nn.Module) -> tuple[ExpertActivation, bool]:
         what = f"the activation {type(act).__name__}"
     for interleaved, candidate in candidates:
         if _agrees(_twin(pre, candidate, gated, interleaved), want):
-            _cache[key] = (candidate, interleaved)
-            return _cache[key]
+            return candidate, interleaved
     raise UnsupportedExperts(
         f"{what}: it matches none of the activations the expert kernels compute (SiLU, GELU, "
         "GELU-tanh, ReLU, ReLU², x·sigmoid(αx), a softcapped SwiGLU gate, with clamps, caps "
