@@ -99,28 +99,29 @@ def _share(model, ids: torch.Tensor, out: torch.Tensor) -> float:
     return _rel(without, out)
 
 
-def check(family: str, seed: int = 0) -> Row:
+def check(family: str, seed: int = 0, device="cpu") -> Row:
     """Build ``family`` tiny with the default experts implementation and with graphstash's,
-    and compare them (module docstring)."""
+    and compare them (module docstring), on ``device`` (float32)."""
     import graphstash.integrations.transformers as gst
 
     gst.register()
     try:
-        ref = hf_families.tiny_model(family, None, seed)
+        ref = hf_families.tiny_model(family, None, seed).to(device)
     except Exception as exc:                   # noqa: BLE001 - reported in the matrix
         return Row(family, "error", detail=f"default build: {type(exc).__name__}: {exc}")
     try:
-        ours = hf_families.tiny_model(family, gst.IMPLEMENTATION, seed)
+        ours = hf_families.tiny_model(family, gst.IMPLEMENTATION, seed).to(device)
     except ValueError as exc:
         return Row(family, "refused", detail=str(exc))
     ours.load_state_dict(ref.state_dict())
     gen = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, hf_families.VOCAB - 8, (2, 16), generator=gen)
+    ids = torch.randint(0, hf_families.VOCAB - 8, (2, 16), generator=gen).to(device)
     row = Row(family, "matches", uses=_uses(ours))
     outputs, grads = [], []
     for model in (ref, ours):
         out = _output(model, ids)
         projection = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 2))
+        projection = projection.to(out.device)
         (out * projection).sum().backward()
         outputs.append(out.detach())
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
