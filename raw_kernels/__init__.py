@@ -10,7 +10,8 @@ variants apart, in this order, each part only where the kernel has variants of t
 
 - ``_<type>``: the element type it computes in (``bf16``, ``f16``, ``f32``, ``f64``) or the
   index type it reads (``i32``, ``i64``); kernels that only move bytes have none;
-- ``_g<0|1>``: plain or gated (SwiGLU) expert activation;
+- ``_g<0|1|2>``: plain, gated (gate rows, then up rows) or gated with interleaved gate and
+  up rows expert activation;
 - ``_v<W>``: each thread loads and stores ``W`` contiguous bytes at a time, where ``W`` is
   the widest the launcher could pick for the row width and every base address (16-byte
   vectors, 8-element packs: ``W`` = 16, 32, 64) or the element size when it goes element

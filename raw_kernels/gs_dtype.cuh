@@ -51,6 +51,10 @@ __device__ __forceinline__ float acc_div(float a, float b) { return __fdiv_rn(a,
 __device__ __forceinline__ double acc_div(double a, double b) { return __ddiv_rn(a, b); }
 __device__ __forceinline__ float acc_exp(float a) { return expf(a); }
 __device__ __forceinline__ double acc_exp(double a) { return exp(a); }
+__device__ __forceinline__ float acc_tanh(float a) { return tanhf(a); }
+__device__ __forceinline__ double acc_tanh(double a) { return tanh(a); }
+__device__ __forceinline__ float acc_erf(float a) { return erff(a); }
+__device__ __forceinline__ double acc_erf(double a) { return erf(a); }
 
 // N elements loaded and stored together (16 bytes when the row and pointers allow it).
 template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T v[N]; };

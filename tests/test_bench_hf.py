@@ -56,6 +56,29 @@ def test_olmoe_preset_has_olmoe_1b_7b_widths():
         (2048, 1024, 64, 8, 16, 16, 50304, 8, False)
 
 
+def test_gpt_oss_preset_has_gpt_oss_20b_widths_and_runs_through_graphstash(gen):
+    """hidden 2880, 32 experts top-4, 4 layers, 4 x 2048 tokens; its experts (biases,
+    transposed and interleaved weights, clamped GLU) build under "graphstash" (meta device:
+    nothing is allocated)."""
+    import transformers as tf
+
+    import graphstash.integrations.transformers as gst
+
+    c = hf.configs_from_args(_args("--preset", "gpt-oss-20b"), False)["gpt-oss-20b"]
+    assert (c.hidden, c.num_experts, c.topk, c.ffn, c.layers, c.batch, c.seq_len) == \
+        (2880, 32, 4, 2880, 4, 4, 2048)
+    config = hf.hf_config(c)
+    assert type(config).__name__ == "GptOssConfig"
+    assert (config.hidden_size, config.intermediate_size, config.num_local_experts,
+            config.num_experts_per_tok, config.num_hidden_layers, config.layer_types) == \
+        (2880, 2880, 32, 4, 4, ["sliding_attention", "full_attention"] * 2)
+    gst.register()
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config, experts_implementation="graphstash",
+                                                    attn_implementation=c.attention)
+    assert len(gst.experts_modules(model)) == 4
+
+
 def test_olmoe_preset_at_8_layers_has_3_56_billion_parameters():
     """The issue's model: OLMoE-1B-7B cut to 8 layers is 3.56 B parameters (counted on the
     meta device: nothing is allocated)."""

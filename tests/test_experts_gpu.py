@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphstash.moe import expert_mlp
+from graphstash.moe import ExpertActivation, expert_mlp
 
 from _moe_data import tokens
 
@@ -125,3 +125,94 @@ def test_expert_backward_holds_one_activation_sized_temporary(gen, gated):
     others = sum(t.numel() * t.element_size() for t in grads) + R * 4 + (2 << 20)
     assert above <= unit + others, (above / 2**20, unit / 2**20, others / 2**20)
     assert all(t[:12000].isfinite().all() for t in grads)
+
+
+# Activations whose arithmetic is exp, division, products and comparisons only compare exactly;
+# those that call tanhf or erff (GELU, GELU-tanh, the softcaps) compare within 2 ulps of the
+# accumulator: torch's CUDA kernels and NVRTC call the CUDA math library's tanhf and erff, but
+# torch may be built against another CUDA version than the one NVRTC compiles with (NOTE
+# [expert activation arithmetic]).
+EXACT_ACTS = [ExpertActivation("silu", gate_limit=1.5, up_limit=2.0),
+              ExpertActivation("glu_alpha", alpha=1.702, gate_limit=1.5, up_limit=1.5,
+                               up_offset=1.0),
+              ExpertActivation("relu"), ExpertActivation("relu2")]
+MATH_ACTS = [ExpertActivation("gelu"), ExpertActivation("gelu_tanh"),
+             ExpertActivation("softcap_silu", gate_cap=2.0, up_cap=3.0)]
+
+
+def _close(got, want, exact: bool) -> None:
+    """Equal (exact), or within 2 ulps of the stored dtype relative to the values' scale."""
+    if exact:
+        torch.testing.assert_close(got, want, equal_nan=True, **EXACT)
+        return
+    eps = torch.finfo(want.dtype).eps
+    scale = float(want.nan_to_num().abs().max())
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=2 * eps, atol=2 * eps * scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["plain", "gated", "interleaved"])
+@pytest.mark.parametrize("act", EXACT_ACTS + MATH_ACTS,
+                         ids=lambda a: f"{a.kind}-{a.gate_limit}-{a.up_cap}")
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("ffn", [5, 64])
+def test_activation_kinds_layouts_and_bias_match_reference(gen, dtype, layout, act, with_bias,
+                                                           ffn):
+    """Every activation kind, with clamps, caps and the offset on up, plain, gated and
+    interleaved, with and without the first GEMM's per-expert bias, packed (ffn=64) and
+    element by element (ffn=5): forward, backward (router-weight dot, write_act) against the
+    reference on the GPU; rows past the live count stay poisoned."""
+    cupy_ops, ref_ops = _ops()
+    gated, interleaved = layout != "plain", layout == "interleaved"
+    R, live_rows, E = 37, 29, 4
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    width = 2 * ffn if gated else ffn
+    pre = (torch.randn(R, width, generator=gen, dtype=torch.float64) * 3).to("cuda", dtype)
+    live = torch.tensor([live_rows], dtype=torch.int64, device="cuda")
+    ends = torch.tensor([7, 7, 20, live_rows], dtype=torch.int64, device="cuda")
+    bias = ((torch.randn(E, width, generator=gen, dtype=torch.float64)).to("cuda", dtype)
+            if with_bias else None)
+    rw = (torch.rand(R, generator=gen, dtype=torch.float64) + 0.1).to("cuda", dtype)
+    grad_out = torch.randn(R, ffn, generator=gen, dtype=torch.float64).to("cuda", dtype)
+    kw = dict(gated=gated, activation=act.kind, constants=act.constants(),
+              interleaved=interleaved, bias=bias, ends=ends if with_bias else None)
+    exact = act in EXACT_ACTS
+    outs = _poisoned((R, ffn), dtype)
+    cupy_ops.act_forward(outs[0], pre, rw, live, **kw)
+    ref_ops.act_forward(outs[1], pre, rw, live, **kw)
+    _close(outs[0], outs[1], exact)
+    assert not outs[0][:live_rows].isnan().any() and outs[0][live_rows:].isnan().all()
+    assert float(outs[1][:live_rows].float().abs().max()) > 0.1
+    grads = _poisoned((R, width), dtype)
+    rows = [torch.full((R,), float("nan"), dtype=acc, device="cuda") for _ in range(2)]
+    acts = [grad_out.clone() for _ in range(2)]
+    cupy_ops.act_backward(grads[0], rows[0], acts[0], pre, rw, live, write_act=True, **kw)
+    ref_ops.act_backward(grads[1], rows[1], acts[1], pre, rw, live, write_act=True, **kw)
+    _close(grads[0], grads[1], exact)
+    _close(rows[0], rows[1], exact)
+    torch.testing.assert_close(acts[0], outs[0], equal_nan=True, **EXACT)
+    assert float(grads[1][:live_rows].float().abs().max()) > 0.1
+    assert grads[0][live_rows:].isnan().all()
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gpt_oss_layout_expert_mlp_gradcheck_fp64_on_gpu(gen, interleaved):
+    """Transposed weights as views, both biases, the clamped GLU: gradcheck on the GPU."""
+    R, H, F, E = 14, 5, 4, 3
+    counts = torch.tensor([4, 0, 8], dtype=torch.int32, device="cuda")
+    act = ExpertActivation("glu_alpha", alpha=1.702, gate_limit=0.4, up_limit=0.4,
+                           up_offset=1.0)
+    f64 = dict(dtype=torch.float64, device="cuda")
+    x = (torch.rand(R, H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+         - 0.5).cuda().requires_grad_()
+    w1t = (torch.rand(E, H, 2 * F, **f64) - 0.5).requires_grad_()
+    w2t = (torch.rand(E, F, H, **f64) - 0.5).requires_grad_()
+    b1 = (torch.rand(E, 2 * F, **f64) - 0.5).requires_grad_()
+    b2 = (torch.rand(E, H, **f64) - 0.5).requires_grad_()
+    rw = (torch.rand(R, **f64) + 0.1).requires_grad_()
+
+    def f(x, w1t, w2t, b1, b2, rw):
+        return expert_mlp(x, w1t.transpose(1, 2), w2t.transpose(1, 2), counts, rw, gated=True,
+                          activation=act, interleaved=interleaved, bias1=b1, bias2=b2)[:12]
+
+    assert torch.autograd.gradcheck(f, (x, w1t, w2t, b1, b2, rw))

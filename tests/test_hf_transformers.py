@@ -293,43 +293,76 @@ def test_configure_bad_arguments(gen):
         gst.configure(model, group=object())
 
 
-def test_unsupported_experts_are_refused(gen):
-    """GPT-OSS experts have biases, transposed weights and a custom gate; a SiLU-free model
-    has another activation: configure and the forward both refuse them, naming the module."""
+def test_unsupported_gate_is_refused_when_the_model_is_built(gen, monkeypatch):
+    """A gate nothing in the expert kernels reproduces (here sin(gate) * up) is refused by
+    from_config itself, naming the module, the reason and the implementation to keep; the same
+    model builds with grouped_mm, and switched to graphstash later, configure and the forward
+    refuse it."""
+    import transformers.models.qwen3_moe.modeling_qwen3_moe as qwen3
+
+    def sin_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.sin(gate) * up
+
+    monkeypatch.setattr(qwen3.Qwen3MoeExperts, "_apply_gate", sin_gate, raising=False)
+    import transformers as tf
+
+    config = tiny_model("qwen3_moe", 0).config
+    with pytest.raises(ValueError, match=r"experts_implementation: the graphstash experts "
+                                         r"backend does not support the gate "
+                                         r"Qwen3MoeExperts._apply_gate.*of Qwen3MoeExperts at "
+                                         r"'Qwen3MoeSparseMoeBlock.experts'; keep "
+                                         r"experts_implementation='grouped_mm'"):
+        tf.AutoModelForCausalLM.from_config(config, experts_implementation=gst.IMPLEMENTATION)
+    model = tf.AutoModelForCausalLM.from_config(config, experts_implementation="grouped_mm")
+    model.set_experts_implementation(gst.IMPLEMENTATION)
+    with pytest.raises(ValueError, match=r"model: .*does not support the gate "
+                                         r"Qwen3MoeExperts._apply_gate.* at "
+                                         r"'model.layers.0.mlp.experts'"):
+        gst.configure(model)
+    with pytest.raises(ValueError, match="self: .*does not support the gate"):
+        model(input_ids=batch(gen, seq_len=8))
+
+
+def test_gpt_oss_builds_and_equals_hf(gen):
+    """GPT-OSS (expert biases, transposed and interleaved gate/up weights, clamped GLU with
+    the + 1 on up) runs through graphstash and equals transformers' grouped_mm."""
     import transformers as tf
 
     config = tf.GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                              head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                              layer_types=["full_attention"])
-    gpt_oss = tf.AutoModelForCausalLM.from_config(config, experts_implementation="grouped_mm")
-    gpt_oss.set_experts_implementation(gst.IMPLEMENTATION)
-    with pytest.raises(ValueError, match=r"model: .*does not support expert biases "
-                                         r"\(has_bias=True\)"
-                                         r" of GptOssExperts at 'model.layers.0.mlp.experts'"):
-        gst.configure(gpt_oss)
-    ids = batch(gen, seq_len=8)
-    with pytest.raises(ValueError, match="self: .*does not support expert biases"):
-        gpt_oss(input_ids=ids)
-    gelu = twin(tiny_model("qwen3_moe", seed_of(gen), hidden_act="gelu"), gst.IMPLEMENTATION)
-    with pytest.raises(ValueError, match="does not support the activation GELUActivation"):
-        gst.configure(gelu)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed_of(gen))
+        ref = tf.AutoModelForCausalLM.from_config(config, experts_implementation="grouped_mm")
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if "experts" in name:
+                    p.normal_(0.0, 0.5)
+    ours = _graphstash_twin(ref)
+    _compare(ours, ref, batch(gen))
 
 
-def test_activation_changed_after_a_forward_is_refused(gen):
+def test_activation_changed_after_a_forward_is_read_again(gen):
     """Issue 27.6: the support check was cached per module, so after experts.act_fn =
-    nn.GELU() the backend kept running SiLU (0.28 off HF). It now checks again when what it
-    checked changed: the next forward refuses GELU, and SiLU back is accepted again."""
-    model = _graphstash_twin(tiny_model("qwen3_moe", seed_of(gen)))
+    nn.GELU() the backend kept running SiLU (0.28 off HF). It reads the module again when what
+    it read changed: the next forward runs GELU (equal to HF), an activation no kernel computes
+    is refused, and SiLU back is accepted again."""
+    ref = tiny_model("qwen3_moe", seed_of(gen))
+    model = _graphstash_twin(ref)
     ids = batch(gen, seq_len=8)
     model(input_ids=ids)
+    for m in (model, ref):
+        m.model.layers[0].mlp.experts.act_fn = torch.nn.GELU()
+    with torch.no_grad():
+        assert_rel_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, "GELU logits")
     experts = model.model.layers[0].mlp.experts
-    silu = experts.act_fn
-    experts.act_fn = torch.nn.GELU()
+    experts.act_fn = torch.nn.Softplus()
     with pytest.raises(ValueError, match=r"self: the graphstash experts backend does not "
-                                         r"support the activation GELU"):
+                                         r"support the gate"):
         model(input_ids=ids)
-    experts.act_fn = silu
+    experts.act_fn = torch.nn.SiLU()
     model(input_ids=ids)
 
 

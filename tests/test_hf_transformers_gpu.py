@@ -162,3 +162,18 @@ def ep_capture_case(rank: int, device, seed: int, world: int = 2):
     for (pname, a), b in zip(ours.named_parameters(), ref.parameters()):
         want_p = b[sl] if pname in expert_params else b
         torch.testing.assert_close(a, want_p, rtol=1e-4, atol=1e-5, msg=pname)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v4", "gemma4", "nemotron_h", "aria",
+                                    "muse_spark", "inkling2", "qwen3_moe"])
+def test_matrix_families_on_the_gpu_match_the_default_implementation(family):
+    """The compatibility matrix's check on CUDA (float32, the CuPy expert kernels: every
+    activation kind, interleaved rows, biases, transposed weights, a post-expert norm) against
+    transformers' default experts implementation: 1e-5 relative, the experts' share large."""
+    from graphstash.tools import hf_families, hf_matrix
+
+    if family not in hf_families.families():
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {family}")
+    row = hf_matrix.check(family, device="cuda")
+    assert row.status == "matches", row
+    assert row.share > hf_matrix.MIN_SHARE, row

@@ -26,8 +26,8 @@ NEEDS_NVCC = pytest.mark.skipif(
 
 SOURCES = sorted(p.name for p in KERNEL_DIR.glob("*.cu"))
 ARCH = "sm_90"
-# The spelling NOTE [kernel names] sets: gs_<concern>_<op>[_<type>][_g<0|1>][_v<W>]
-NAME = re.compile(r"^gs_[a-z]+(?:_[a-z]+)*?(?:_(?P<type>bf16|f16|f32|f64|i32|i64))?(?:_g[01])?"
+# The spelling NOTE [kernel names] sets: gs_<concern>_<op>[_<type>][_g<0|1|2>][_v<W>]
+NAME = re.compile(r"^gs_[a-z]+(?:_[a-z]+)*?(?:_(?P<type>bf16|f16|f32|f64|i32|i64))?(?:_g[012])?"
                   r"(?:_v(?P<width>1|2|4|8|16|32|64))?$")
 TYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8}
 
@@ -85,6 +85,15 @@ def test_entry_points_are_the_ones_the_launchers_register(compiled, source):
     assert sorted(registered - defined) == [], f"registered but not defined in {source}"
     assert sorted(defined - registered) == [], f"defined in {source} but not registered"
     assert sorted(n for n in defined if not follows_convention(n)) == [], "see NOTE [kernel names]"
+
+
+def test_activation_kinds_are_numbered_as_the_launcher_numbers_them():
+    """The launcher passes KINDS.index(kind); the kernel's GS_ACT_* must say the same."""
+    from graphstash.reference.activation import KINDS
+
+    defines = int_defines("moe_experts.cu")
+    assert {k: defines[f"ACT_{k.upper()}"] for k in KINDS} == {k: i for i, k in
+                                                                enumerate(KINDS)}
 
 
 def test_the_names_the_check_refuses():

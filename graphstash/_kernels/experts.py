@@ -14,6 +14,7 @@ import torch
 from raw_kernels import int_defines
 
 from ..reference import experts as _reference
+from ..reference.activation import KINDS, ExpertActivation
 from . import THREADS, launch, ptr, register_source
 from ._library import kernel_op
 
@@ -26,16 +27,29 @@ _WARPS = THREADS // 32
 register_source(
     "moe_experts", _SOURCE,
     tuple(f"gs_expert_act_{way}_{name}_g{g}_v{elements * size}" for way in ("fwd", "bwd")
-          for name, size in _DTYPES.values() for g in (0, 1) for elements in (_BLOCK, 1)))
+          for name, size in _DTYPES.values() for g in (0, 1, 2) for elements in (_BLOCK, 1)))
 
 
-def _variant(way: str, pre: torch.Tensor, gated: bool, ffn: int, *tensors) -> str:
-    """Kernel name (NOTE [kernel names] in ``raw_kernels/__init__.py``): packs of ``_BLOCK`` elements when
-    the row width and every base address allow them, else element by element."""
+def _variant(way: str, pre: torch.Tensor, gated: bool, interleaved: bool, ffn: int,
+             *tensors) -> str:
+    """Kernel name (NOTE [kernel names] in ``raw_kernels/__init__.py``): packs of ``_BLOCK``
+    elements when the row width and every base address allow them, else element by element;
+    ``_g0`` plain, ``_g1`` gated, ``_g2`` gated with interleaved gate and up."""
     name, size = _DTYPES[pre.dtype]
     pack = _BLOCK * size
-    vec = ffn % _BLOCK == 0 and all(t.data_ptr() % pack == 0 for t in (pre, *tensors))
-    return f"gs_expert_act_{way}_{name}_g{int(gated)}_v{pack if vec else size}"
+    vec = ffn % _BLOCK == 0 and all(t.data_ptr() % pack == 0 for t in (pre, *tensors)
+                                    if t is not None)
+    layout = 2 if gated and interleaved else int(gated)
+    return f"gs_expert_act_{way}_{name}_g{layout}_v{pack if vec else size}"
+
+
+def _activation_args(activation: str, constants, bias, ends) -> tuple:
+    """The kernels' activation arguments: kind id, six constants (double), bias, ends, E."""
+    act = ExpertActivation.from_constants(activation, constants).check()
+    experts = bias.shape[0] if bias is not None else 0
+    return ((np.int32(KINDS.index(act.kind)),) + tuple(np.float64(c) for c in act.constants())
+            + (ptr(bias) if bias is not None else np.uint64(0),
+               ptr(ends) if bias is not None else np.uint64(0), np.int32(experts)))
 
 
 def _check_live(live: torch.Tensor) -> None:
@@ -46,24 +60,28 @@ def _check_live(live: torch.Tensor) -> None:
 
 def _act_forward(out: torch.Tensor, pre: torch.Tensor, row_weight: torch.Tensor | None,
                  live: torch.Tensor, *, gated: bool, activation: str = "silu",
-                 zero_tail: bool = False) -> None:
+                 zero_tail: bool = False, constants: list[float] | None = None,
+                 interleaved: bool = False, bias: torch.Tensor | None = None,
+                 ends: torch.Tensor | None = None) -> None:
     """Launch ``gs_expert_act_fwd_*`` (arguments as :func:`graphstash.reference.experts.act_forward`;
     ``live`` is int64 ``[1]``; every tensor contiguous, on one device)."""
     rows, ffn = out.shape
     if rows == 0 or ffn == 0:
         return
     _check_live(live)
-    name = _variant("fwd", pre, gated, ffn, out)
+    name = _variant("fwd", pre, gated, interleaved, ffn, out, bias)
     wptr = ptr(row_weight) if row_weight is not None else np.uint64(0)
     args = (ptr(out), ptr(pre), wptr, ptr(live), np.int64(rows), np.int64(ffn),
-            np.int32(bool(zero_tail)))
+            np.int32(bool(zero_tail))) + _activation_args(activation, constants, bias, ends)
     launch("moe_experts", name, -(-rows // _WARPS), out.device.index, args)
 
 
 def _act_backward(grad_pre: torch.Tensor, grad_row: torch.Tensor | None,
                   grad_out: torch.Tensor, pre: torch.Tensor, row_weight: torch.Tensor | None,
                   live: torch.Tensor, *, gated: bool, activation: str = "silu",
-                  zero_tail: bool = False, write_act: bool = False) -> None:
+                  zero_tail: bool = False, write_act: bool = False,
+                  constants: list[float] | None = None, interleaved: bool = False,
+                  bias: torch.Tensor | None = None, ends: torch.Tensor | None = None) -> None:
     """Launch ``gs_expert_act_bwd_*`` (arguments as
     :func:`graphstash.reference.experts.act_backward`; ``live`` is int64 ``[1]``; with
     ``write_act`` the kernel writes the forward's output over ``grad_out``)."""
@@ -71,12 +89,13 @@ def _act_backward(grad_pre: torch.Tensor, grad_row: torch.Tensor | None,
     if rows == 0 or ffn == 0:
         return
     _check_live(live)
-    name = _variant("bwd", pre, gated, ffn, grad_pre, grad_out)
+    name = _variant("bwd", pre, gated, interleaved, ffn, grad_pre, grad_out, bias)
     wptr = ptr(row_weight) if row_weight is not None else np.uint64(0)
     rptr = ptr(grad_row) if grad_row is not None else np.uint64(0)
     aptr = ptr(grad_out) if write_act else np.uint64(0)
     args = (ptr(grad_pre), rptr, aptr, ptr(grad_out), ptr(pre), wptr, ptr(live),
-            np.int64(rows), np.int64(ffn), np.int32(bool(zero_tail)))
+            np.int64(rows), np.int64(ffn), np.int32(bool(zero_tail))) + _activation_args(
+                activation, constants, bias, ends)
     launch("moe_experts", name, -(-rows // _WARPS), grad_pre.device.index, args)
 
 

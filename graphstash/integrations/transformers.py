@@ -41,12 +41,16 @@ without one only on transformers versions that count with ``torch.histc`` (5.17 
 ``torch.bincount``, which syncs; :func:`configure` warns then). Pass ``use_cache=False`` when
 training (no key/value cache is filled for nothing).
 
-What the backend refuses (``ValueError`` from :func:`configure` or the first forward, naming the
-module): expert biases (``has_bias``, GPT-OSS), transposed expert weights (``is_transposed``),
-interleaved gate/up rows (``is_concatenated=False``), a custom ``_apply_gate`` (GPT-OSS's clamped
-SwiGLU), a norm after the experts (``has_post_expert_norm``), transformers' own expert
-parallelism, and activations other than SiLU. Keep ``experts_implementation="grouped_mm"`` for
-those models.
+Every experts layout of transformers runs: expert biases (``has_bias``, GPT-OSS), transposed
+weights (``is_transposed``: used as views, never copied), interleaved gate/up rows, a norm after
+each expert (``has_post_expert_norm``), and every gate or activation the expert kernels compute
+(SiLU, GELU, GELU-tanh, ReLU, ReLU², GPT-OSS's clamped GLU with ``+ 1`` on up, clamped and
+softcapped SwiGLUs, SwiGLU in float32), read off the module itself (NOTE [reading the gate] in
+``hf_gates.py``). What remains refused (a gate no kernel reproduces, transformers' own expert
+parallelism) raises ``ValueError`` naming the module, the reason and the implementation to
+keep, when the model is built with ``experts_implementation="graphstash"`` after
+:func:`register` (NOTE [refusal at build]), else at :func:`configure` or the first forward.
+``docs/hf-compatibility.md`` lists every family and what its experts use.
 """
 from __future__ import annotations
 
@@ -58,6 +62,7 @@ from torch import nn
 
 from .._checks import describe, require_positive_int
 from ..errors import BackendUnavailableError
+from .hf_gates import ExpertsLayout, UnsupportedExperts, read_layout
 
 __all__ = ["IMPLEMENTATION", "ExpertsSettings", "configure", "experts_forward",
            "experts_modules", "register", "settings_of"]
@@ -145,6 +150,7 @@ def register() -> None:
         model = AutoModelForCausalLM.from_config(config, experts_implementation="graphstash")
     """
     _transformers_moe().ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+    _install_build_check()          # NOTE [refusal at build]
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -152,8 +158,7 @@ def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     drives (a class decorated with ``@use_experts_implementation``), in module order."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    return [(name, m) for name, m in model.named_modules()
-            if hasattr(m, "has_gate") and hasattr(m, "down_proj") and hasattr(m, "num_experts")]
+    return [(name, m) for name, m in model.named_modules() if _is_experts_module(m)]
 
 
 def settings_of(module: nn.Module) -> ExpertsSettings:
@@ -162,61 +167,85 @@ def settings_of(module: nn.Module) -> ExpertsSettings:
     return getattr(module, _SETTINGS_ATTR, _DEFAULTS)
 
 
-def _is_silu(act) -> bool:
-    from transformers.activations import SiLUActivation
-
-    return isinstance(act, (nn.SiLU, SiLUActivation)) or act is torch.nn.functional.silu
-
-
 def _unsupported(module: nn.Module) -> str | None:
     """What of ``module`` the backend cannot run (None: everything is supported)."""
-    if getattr(module, "has_bias", False):
-        return "expert biases (has_bias=True)"
-    if getattr(module, "is_transposed", False):
-        return "transposed expert weights (is_transposed=True)"
-    if not getattr(module, "is_concatenated", True):
-        return "interleaved gate/up rows (is_concatenated=False)"
-    if getattr(module, "has_post_expert_norm", False):
-        return "a norm after each expert (has_post_expert_norm=True)"
-    if getattr(module, "_is_expert_parallel", False):
-        return "transformers' own expert parallelism (pass configure(group=...) instead)"
-    if module.has_gate:
-        default_gate = getattr(_transformers_moe(), "_default_apply_gate", None)
-        if getattr(type(module), "_apply_gate", default_gate) is not default_gate:
-            return f"a custom gate ({type(module).__name__}._apply_gate)"
-    act = getattr(module, "act_fn", None)
-    if not _is_silu(act):
-        return f"the activation {type(act).__name__} (only SiLU is supported)"
+    try:
+        read_layout(module)
+    except UnsupportedExperts as exc:
+        return str(exc)
     return None
 
 
 def _support_key(module: nn.Module) -> tuple:
-    """What :func:`_unsupported` reads of ``module``, compared by identity (NOTE [support
-    check]): the flags, the class (its ``_apply_gate``) and the activation object."""
+    """What :func:`read_layout` reads of ``module``, compared by identity (NOTE [support
+    check]): the flags, the class (its ``_apply_gate``), the activation object and the float
+    constants the gate may use."""
     return (type(module), getattr(module, "has_bias", False),
             getattr(module, "is_transposed", False), getattr(module, "is_concatenated", True),
             getattr(module, "has_post_expert_norm", False),
             getattr(module, "_is_expert_parallel", False), module.has_gate,
-            getattr(module, "act_fn", None))
+            getattr(module, "act_fn", None),
+            tuple(v for v in vars(module).values() if isinstance(v, float)))
 
 
 # NOTE [support check]: the forward checks its module on every call, cheaply: the first call
-# runs the full check (_unsupported) and keeps the key of what it read; later calls compare
-# the key (a tuple of flags and object identities) and check again only when it changed. So
-# `experts.act_fn = nn.GELU()` after a first forward is refused at the next one instead of
-# running SiLU (which a cache of the verdict alone did: 0.28 off transformers' grouped_mm).
-def _check_supported(module: nn.Module, name: str, argument: str) -> None:
+# reads the module's layout and activation (read_layout, NOTE [reading the gate] in
+# hf_gates.py) and keeps it with the key of what it read; later calls compare the key (a tuple
+# of flags, object identities and constants) and read again only when it changed. So
+# `experts.act_fn = nn.GELU()` after a first forward runs GELU at the next one instead of
+# SiLU (which a cache of the verdict alone did: 0.28 off transformers' grouped_mm), and an
+# activation nothing reproduces is refused there.
+def _check_supported(module: nn.Module, name: str, argument: str) -> ExpertsLayout:
     key = _support_key(module)
-    if module.__dict__.get(_CHECKED_ATTR) == key:
-        return
-    why = _unsupported(module)
-    if why is not None:
+    checked = module.__dict__.get(_CHECKED_ATTR)
+    if checked is not None and checked[0] == key:
+        return checked[1]
+    try:
+        layout = read_layout(module)
+    except UnsupportedExperts as exc:
         module.__dict__.pop(_CHECKED_ATTR, None)
-        raise ValueError(
-            f"{argument}: the graphstash experts backend does not support {why} of "
+        raise ValueError(_refusal(argument, module, name, str(exc))) from None
+    module.__dict__[_CHECKED_ATTR] = (key, layout)
+    return layout
+
+
+def _refusal(argument: str, module: nn.Module, name: str, why: str) -> str:
+    return (f"{argument}: the graphstash experts backend does not support {why} of "
             f"{type(module).__name__} at {name!r}; keep experts_implementation='grouped_mm' "
             "for this model")
-    module.__dict__[_CHECKED_ATTR] = key
+
+
+def _is_experts_module(module) -> bool:
+    return (isinstance(module, nn.Module) and hasattr(module, "has_gate")
+            and hasattr(module, "down_proj") and hasattr(module, "num_experts"))
+
+
+# NOTE [refusal at build]: transformers builds every experts module inside the model's
+# constructor (from_config, from_pretrained) with the experts implementation already in the
+# config. register() installs one torch module-registration hook, which sees each experts
+# module as it is attached to its parent, fully constructed: one the backend cannot run under
+# "graphstash" raises there, naming the module, so the model is never built, instead of failing
+# at configure() or at the first forward. A model switched later with
+# set_experts_implementation() is checked by configure() and the forward.
+def _on_module_registered(parent: nn.Module, name: str, module):
+    if not _is_experts_module(module):
+        return None
+    config = getattr(module, "config", None)
+    if getattr(config, "_experts_implementation", None) != IMPLEMENTATION:
+        return None
+    _check_supported(module, f"{type(parent).__name__}.{name}", "experts_implementation")
+    return None
+
+
+_hook_handle = None
+
+
+def _install_build_check() -> None:
+    global _hook_handle
+    if _hook_handle is None:
+        from torch.nn.modules.module import register_module_module_registration_hook
+
+        _hook_handle = register_module_module_registration_hook(_on_module_registered)
 
 
 def _first_weight_name(module: nn.Module) -> str:
@@ -392,6 +421,19 @@ def _router_weights(top_k_weights: torch.Tensor, top_k_index: torch.Tensor,
                      f"({top_k_index.shape[0]}, {num_experts}), got {tuple(top_k_weights.shape)}")
 
 
+def _weights(module: nn.Module, layout: ExpertsLayout):
+    """``(w1, w2, bias1, bias2)`` of ``module`` as :func:`~graphstash.moe.moe_layer` takes them:
+    ``[E, out, in]``, transposed weights as views (NOTE [transposed expert weights] in
+    ``graphstash/moe/experts.py``), biases or None."""
+    first = _first_weight_name(module)
+    w1, w2 = getattr(module, first), module.down_proj
+    if layout.transposed:
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    if not layout.has_bias:
+        return w1, w2, None, None
+    return w1, w2, getattr(module, f"{first}_bias"), module.down_proj_bias
+
+
 def _check_experts_module(self) -> None:
     if not isinstance(self, nn.Module) or not all(
             hasattr(self, a) for a in ("down_proj", "has_gate", "num_experts")) or not hasattr(
@@ -446,9 +488,8 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
 
     _check_experts_module(self)
     settings = settings_of(self)
-    _check_supported(self, settings.name, "self")
-    w1 = getattr(self, _first_weight_name(self))
-    w2 = self.down_proj
+    layout = _check_supported(self, settings.name, "self")
+    w1, w2, bias1, bias2 = _weights(self, layout)
     _check_experts_args(hidden_states, top_k_index, top_k_weights, w1)
     E = self.num_experts
     if w1.shape[0] * settings.world_size != E:
@@ -468,5 +509,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     # current manager's, when stash=True and one is current), expert MLP, unweighted combine
     out = moe_layer(x, top_k_index, weights, w1, w2, E, gated=self.has_gate,
                     capacity_factor=factor, exchange=settings.exchange, stash=settings.stash,
-                    name=settings.name)
+                    name=settings.name, activation=layout.activation,
+                    interleaved=layout.interleaved, bias1=bias1, bias2=bias2,
+                    post_norm=layout.post_norm)
     return out.to(hidden_states.dtype)

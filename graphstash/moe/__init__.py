@@ -5,6 +5,7 @@ The reference MoE model built from these pieces is :class:`graphstash.models.MoE
 
 Nothing here touches the GPU at import time.
 """
+from ..reference.activation import ExpertActivation
 from ._dispatch import (DispatchHandle, NcclChunks, OneDevice, RowExchange, budget_rows,
                         check_routing, combine, default_status, dispatch,
                         register_transport_adapter)
@@ -12,6 +13,7 @@ from .experts import GroupedMMSupport, grouped_mm, prepare_experts
 from .layer import moe_layer
 from .mlp import expert_mlp
 
-__all__ = ["DispatchHandle", "GroupedMMSupport", "NcclChunks", "OneDevice", "RowExchange",
-           "budget_rows", "check_routing", "combine", "default_status", "dispatch", "expert_mlp",
-           "grouped_mm", "moe_layer", "prepare_experts", "register_transport_adapter"]
+__all__ = ["DispatchHandle", "ExpertActivation", "GroupedMMSupport", "NcclChunks", "OneDevice",
+           "RowExchange", "budget_rows", "check_routing", "combine", "default_status", "dispatch",
+           "expert_mlp", "grouped_mm", "moe_layer", "prepare_experts",
+           "register_transport_adapter"]

@@ -21,8 +21,8 @@ from ..status import check_status, raise_flag, resolve
 from . import _triton_grouped
 
 __all__ = ["GroupedMMSupport", "TRUSTED", "check_counts", "check_grouped_args", "grouped_mm",
-           "grouped_mm_grads", "grouped_mm_resolved", "grouped_product", "prepare_experts",
-           "resolve_impl"]
+           "grouped_mm_grads", "grouped_mm_resolved", "grouped_product", "is_transposed_weight",
+           "prepare_experts", "resolve_impl"]
 
 # NOTE [grouped_mm under capture]
 # On CUDA, torch._grouped_mm has a CUTLASS path only for bf16 on sm90/sm100 with 16-byte
@@ -115,7 +115,22 @@ def _strides_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     size = x.element_size()
     return (x.stride(1) == 1 and (x.stride(0) * size) % 16 == 0
             and (x.shape[1] * size) % 16 == 0 and (weight.shape[1] * size) % 16 == 0
-            and weight.is_contiguous())
+            and (weight.is_contiguous() or is_transposed_weight(weight)))
+
+
+def is_transposed_weight(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` ``[experts, out, in]`` is the transposed view of a contiguous
+    ``[experts, in, out]`` tensor (NOTE [transposed expert weights])."""
+    return not weight.is_contiguous() and weight.transpose(-2, -1).is_contiguous()
+
+
+# NOTE [transposed expert weights]: some checkpoints keep an expert's projection as
+# [in, out] (GPT-OSS, Aria: HuggingFace's is_transposed). The experts take the [out, in] view
+# (weight.transpose(1, 2)), never a copy: torch._grouped_mm multiplies by the view's transpose,
+# which is then the contiguous tensor itself, and the weight gradient is computed as
+# x^T @ grad per expert, [experts, in, out], the parameter's own layout, and handed back
+# through the view (NOTE [weight gradient layout]). The loop, the masked product and the
+# Triton GEMM read the view through its strides.
 
 
 def _fast_path_device(device: torch.device, dtype: torch.dtype) -> bool:
@@ -599,7 +614,9 @@ def grouped_mm_grads(grad: torch.Tensor, x: torch.Tensor | None, weight: torch.T
         offsets = _offsets(tokens_per_expert, bad)
         if need_x:
             grad_x = torch._grouped_mm(grad, weight, offs=offsets)
-        if need_weight:
+        if need_weight and is_transposed_weight(weight):   # NOTE [transposed expert weights]
+            grad_w = torch._grouped_mm(x.transpose(0, 1), grad, offs=offsets).transpose(-2, -1)
+        elif need_weight:
             grad_w = torch._grouped_mm(grad.transpose(0, 1), x, offs=offsets)
         return grad_x, grad_w
     if impl == "masked":

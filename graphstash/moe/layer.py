@@ -33,7 +33,9 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
               w1: torch.Tensor, w2: torch.Tensor, num_experts: int, *, gated: bool = False,
               capacity_factor: float | None = None, budget: int | None = None,
               pad_multiple: int | None = None, exchange=None, stash=False,
-              name: str = "moe.experts", status=None, impl: str = "auto", group=None,
+              name: str = "moe.experts", status=None, impl: str = "auto",
+              activation="silu", interleaved: bool = False, bias1: torch.Tensor | None = None,
+              bias2: torch.Tensor | None = None, post_norm=None, group=None,
               chunk_rows: int | None = None) -> torch.Tensor:
     """``out[t] = sum_k topk_weight[t, k] * mlp_{topk_idx[t, k]}(x[t])`` over a static-budget
     dispatch, the count-aware expert MLP and combine (NOTE [moe layer]).
@@ -62,6 +64,11 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
         status: int32 ``[8]`` status for the dispatch's flags (default: the running step's,
             :func:`default_status`).
         impl: the grouped GEMM, as for :func:`grouped_mm`.
+        activation, interleaved, bias1, bias2: as for :func:`expert_mlp` (the activation's
+            kind and constants, gate and up rows interleaved, per-expert biases).
+        post_norm: a module or function applied to each expert's ``[rows, hidden]`` output
+            before the router weight (HuggingFace's ``post_expert_norm``), or None. With one,
+            the router weights are applied by the combine (``weighted=True``), after it.
         group, chunk_rows: deprecated: ``exchange=NcclChunks(group, chunk_rows)``.
     Returns ``[T, hidden]`` in x's dtype, differentiable in x, topk_weight, w1 and w2.
     Example::
@@ -95,9 +102,15 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
                                         status=status)
 
     def experts() -> torch.Tensor:
-        y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), gated=gated,
-                       impl=impl, handle=handle)
-        return combine(y, handle, weighted=False)
+        # NOTE [moe layer]: the router weights scale the activation, unless a norm follows
+        # the expert (it would undo the scale): then the combine weighs the normed rows
+        weights = handle.permuted_weights() if post_norm is None else None
+        y = expert_mlp(permuted, w1, w2, counts, weights, gated=gated, impl=impl,
+                       handle=handle, activation=activation, interleaved=interleaved,
+                       bias1=bias1, bias2=bias2)
+        if post_norm is None:
+            return combine(y, handle, weighted=False)
+        return combine(post_norm(y), handle, weighted=True)
 
     if manager is None or not torch.is_grad_enabled() or is_dropless():
         return experts()

@@ -82,9 +82,10 @@ import torch
 
 from .._checks import describe, require_tensor
 from ..reference.arithmetic import acc_dtype
-from ..reference.experts import ACTIVATIONS
+from ..reference.activation import ExpertActivation
 from ._dispatch import check_handle
 from .backend import kernels_for
+from .expert_bias import add_row_bias, bias_row_dot, expert_ends, segment_sum
 from .experts import (TRUSTED, check_counts, check_grouped_args, grouped_mm_grads,
                       grouped_mm_resolved, grouped_product, resolve_impl)
 
@@ -121,26 +122,38 @@ class _RegatheredGEMM(torch.autograd.Function):
 
 
 class _ActivatedGEMM(torch.autograd.Function):
-    """``y = grouped_mm(act(pre) * row_weight, w2)``, keeping pre (NOTE [expert MLP saved
-    tensors]); the activation runs count-aware (NOTE [count-aware expert kernels])."""
+    """``y = grouped_mm(act(pre + b1) * row_weight, w2) + row_weight * b2``, keeping pre (NOTE
+    [expert MLP saved tensors]); the activation runs count-aware (NOTE [count-aware expert
+    kernels]); the biases as NOTE [expert biases] in ``expert_bias.py`` says."""
 
     @staticmethod
-    def forward(ctx, pre, row_weight, w2, counts, impl, gated, bad):
+    def forward(ctx, pre, row_weight, w2, counts, impl, gated, bad, layout, bias1, bias2):
+        act, interleaved = layout
         ops = kernels_for("auto", pre.device)
         live = counts.sum().view(1)
+        ends = expert_ends(counts) if bias1 is not None or bias2 is not None else None
         a = pre.new_empty(pre.shape[0], w2.shape[2])
-        ops.act_forward(a, pre, row_weight, live, gated=gated)
+        ops.act_forward(a, pre, row_weight, live, gated=gated, activation=act.kind,
+                        constants=act.constants(), interleaved=interleaved, bias=bias1,
+                        ends=ends)
         y = grouped_product(a, w2, counts, impl, bad)
-        ctx.save_for_backward(pre, row_weight, w2, counts)
-        ctx.impl, ctx.gated, ctx.ops, ctx.bad = impl, gated, ops, bad
+        if bias2 is not None:
+            y = add_row_bias(y, bias2, ends, row_weight)
+        ctx.save_for_backward(pre, row_weight, w2, counts, bias1, bias2)
+        ctx.impl, ctx.gated, ctx.ops, ctx.bad, ctx.layout = impl, gated, ops, bad, layout
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        pre, row_weight, w2, counts = ctx.saved_tensors
+        pre, row_weight, w2, counts, bias1, bias2 = ctx.saved_tensors
         ops, impl, gated = ctx.ops, ctx.impl, ctx.gated
+        act, interleaved = ctx.layout
         grad_y = grad_y.contiguous()
         live = counts.sum().view(1)
+        ends = expert_ends(counts) if bias1 is not None or bias2 is not None else None
+        grad_b2 = None
+        if bias2 is not None and ctx.needs_input_grad[9]:
+            grad_b2 = segment_sum(grad_y, row_weight, counts, impl)
         # NOTE [expert backward temporaries]: the activation's gradient first; the fused
         # kernel then writes the recomputed activation over it, which lives only for the
         # weight gradient
@@ -153,19 +166,26 @@ class _ActivatedGEMM(torch.autograd.Function):
         over = _may_overwrite(pre)
         grad_pre = pre if over else torch.empty_like(pre)
         ops.act_backward(grad_pre, grad_row, grad_a, pre, row_weight, live, gated=gated,
-                         write_act=True)
+                         write_act=True, activation=act.kind, constants=act.constants(),
+                         interleaved=interleaved, bias=bias1, ends=ends)
         if over:
             torch.autograd.graph.increment_version(pre)
         a, grad_a = grad_a, None
         _, grad_w2 = grouped_mm_grads(grad_y, a, w2, counts, impl, bad=ctx.bad, need_x=False)
-        del a, grad_y
+        del a
         if grad_row is not None:
+            if bias2 is not None:          # NOTE [expert biases]: y holds row_weight * b2
+                grad_row = grad_row + bias_row_dot(grad_y, bias2, ends)
             # rows past the count carry no router weight (dispatch gives them 0) and were not
             # computed (NOTE [count-aware expert kernels])
             rows = torch.arange(pre.shape[0], device=pre.device)
             grad_row = grad_row.to(row_weight.dtype)
             grad_row = torch.where(rows < live, grad_row, torch.zeros_like(grad_row))
-        return grad_pre, grad_row, grad_w2, None, None, None, None
+        del grad_y
+        grad_b1 = None
+        if bias1 is not None and ctx.needs_input_grad[8]:
+            grad_b1 = segment_sum(grad_pre, None, counts, impl)
+        return grad_pre, grad_row, grad_w2, None, None, None, None, None, grad_b1, grad_b2
 
 
 def _may_overwrite(saved: torch.Tensor) -> bool:
@@ -180,13 +200,16 @@ def _may_overwrite(saved: torch.Tensor) -> bool:
 
 def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                tokens_per_expert: torch.Tensor, row_weight: torch.Tensor | None = None,
-               *, gated: bool = False, activation: str = "silu", impl: str = "auto",
-               handle=None) -> torch.Tensor:
-    """``y[rows of e] = (act(x[rows of e] @ w1[e].T) * row_weight) @ w2[e].T``.
+               *, gated: bool = False, activation="silu", impl: str = "auto",
+               handle=None, interleaved: bool = False, bias1: torch.Tensor | None = None,
+               bias2: torch.Tensor | None = None) -> torch.Tensor:
+    """``y[rows of e] = (act(x[rows of e] @ w1[e].T + b1[e]) * row_weight) @ w2[e].T
+    + row_weight * b2[e]``.
 
-    Plain: ``act = silu``. Gated (SwiGLU, HuggingFace's ``gate_up_proj`` / ``down_proj``
-    layout, used as it is): ``h = x @ w1[e].T`` is ``[gate | up]`` and
-    ``act(h) = silu(gate) * up``.
+    Plain: ``act = silu`` (or the activation given). Gated (SwiGLU, HuggingFace's
+    ``gate_up_proj`` / ``down_proj`` layout, used as it is): ``h = x @ w1[e].T`` is ``[gate |
+    up]`` (``interleaved``: ``g0 u0 g1 u1 ...``, GPT-OSS) and ``act(h) = silu(gate) * up`` (or
+    the gate NOTE [expert activations] describes).
 
     Args:
         x: ``[rows, hidden]`` permuted tokens (the dispatch output), floating.
@@ -200,7 +223,14 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             :meth:`~graphstash.moe.DispatchHandle.permuted_weights`), or ``None`` for 1.
             Pass it with ``combine(y, handle, weighted=False)``.
         gated: whether w1 holds gate and up projections (see above).
-        activation: ``"silu"``.
+        activation: a kind name (``"silu"``, ``"gelu"``, ...) or a
+            :class:`~graphstash.moe.ExpertActivation` with its constants (NOTE [expert
+            activations] in ``graphstash/reference/activation.py``).
+        interleaved: gated only: w1's rows alternate gate and up (``[g0, u0, g1, u1, ...]``).
+        bias1: ``[num_local_experts, w1 rows]`` bias of the first GEMM, or None.
+        bias2: ``[num_local_experts, hidden_out]`` bias of the second GEMM (scaled by
+            ``row_weight`` as the product is), or None. Both dtype and device of x; their
+            gradients come from per-expert sums (NOTE [expert biases] in ``expert_bias.py``).
         impl: as for :func:`~graphstash.moe.grouped_mm`, for each of the two GEMMs.
         handle: the :class:`~graphstash.moe.DispatchHandle` of the dispatch that produced x;
             on one device x is then gathered again in backward instead of being kept (NOTE
@@ -222,8 +252,11 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         raise TypeError(f"gated: expected a bool, got {type(gated).__name__}")
     check_grouped_args(x, w1, tokens_per_expert, weight_name="w1",
                        out_name="2 * ffn" if gated else "ffn")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    act = ExpertActivation.of(activation)
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved: expected a bool, got {type(interleaved).__name__}")
+    if interleaved and not gated:
+        raise ValueError("interleaved: only gated experts have gate and up rows to interleave")
     if gated and w1.shape[1] % 2:
         raise ValueError(f"w1: gated experts need [experts, 2 * ffn, hidden] (gate rows, then "
                          f"up rows), got an odd row count: {describe(w1)}")
@@ -241,6 +274,14 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                 or row_weight.device != x.device):
             raise ValueError(f"row_weight: expected [{x.shape[0]}] in {x.dtype} on {x.device}, "
                              f"got {describe(row_weight)}")
+    for name, bias, width in (("bias1", bias1, w1.shape[1]), ("bias2", bias2, w2.shape[1])):
+        if bias is None:
+            continue
+        expected = f"[{w1.shape[0]}, {width}] in {x.dtype} on {x.device}"
+        require_tensor(name, bias, f"a 2-D floating tensor {expected}")
+        if (tuple(bias.shape) != (w1.shape[0], width) or bias.dtype != x.dtype
+                or bias.device != x.device):
+            raise ValueError(f"{name}: expected {expected}, got {describe(bias)}")
     regather = False
     if handle is not None:
         check_handle(handle)
@@ -259,4 +300,5 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     # the second GEMM's input is the activation, [rows, w2 columns]: resolved on a view of
     # that width, since its row bytes decide the native op's layout check as x's did the first
     impl2 = resolve_impl(pre.narrow(1, 0, w2.shape[2]), w2, impl)
-    return _ActivatedGEMM.apply(pre, row_weight, w2, tokens_per_expert, impl2, gated, bad)
+    return _ActivatedGEMM.apply(pre, row_weight, w2, tokens_per_expert, impl2, gated, bad,
+                                (act, interleaved), bias1, bias2)

@@ -21,7 +21,10 @@ its memory returned, dynamo's caches reset, before the next is built):
 
 Presets (``--preset``; default every one): ``olmoe-1b-7b``, OLMoE-1B-7B's widths (hidden 2048,
 64 experts top-8, expert ffn 1024, 16 heads, vocab 50304; OLMoE's transformers config) cut to
-8 layers, 4 x 2048 tokens per step, 14 steps; ``qwen3-moe`` and ``mixtral``, small models
+8 layers, 4 x 2048 tokens per step, 14 steps; ``gpt-oss-20b``, GPT-OSS-20B's widths (hidden
+2880, 32 experts top-4, expert ffn 2880, 64 heads of 64, 8 key/value heads, vocab 201088,
+sliding window 128 on every other layer, eager attention: GPT-OSS has no sdpa) cut to 4
+layers, 4 x 2048 tokens, 14 steps; ``qwen3-moe`` and ``mixtral``, small models
 (6 layers, hidden 512, 8 x 1024 tokens, 20 steps). ``--layers``, ``--batch``, ``--seq`` and
 ``--steps`` change the preset's; ``--runs`` picks runs; ``--quick``: 2 layers, batch 2, 8 steps.
 
@@ -74,7 +77,7 @@ LR = 1e-4           # AdamW's learning rate in every run (NOTE [loss difference 
 @dataclasses.dataclass
 class HFBenchConfig:
     """One benchmark model: a transformers config family and its sizes."""
-    family: str                 # "qwen3_moe", "mixtral" or "olmoe"
+    family: str                 # "qwen3_moe", "mixtral", "olmoe" or "gpt_oss"
     hidden: int = 512
     layers: int = 6
     num_experts: int = 32
@@ -87,6 +90,7 @@ class HFBenchConfig:
     batch: int = 8
     seq_len: int = 1024         # batch x seq_len tokens per step
     steps: int = 20
+    attention: str = "sdpa"     # transformers' attention implementation (GPT-OSS: no sdpa)
 
 
 CONFIGS = {
@@ -95,6 +99,10 @@ CONFIGS = {
                                  batch=4, seq_len=2048, steps=14),
     "qwen3-moe": HFBenchConfig("qwen3_moe", num_experts=64, topk=8, ffn=256),
     "mixtral": HFBenchConfig("mixtral", num_experts=8, topk=2, ffn=1024),
+    # GPT-OSS-20B's widths (its config's vocabulary, heads, sliding window) cut to 4 layers
+    "gpt-oss-20b": HFBenchConfig("gpt_oss", hidden=2880, layers=4, num_experts=32, topk=4,
+                                 ffn=2880, vocab=201088, heads=64, kv_heads=8, head_dim=64,
+                                 batch=4, seq_len=2048, steps=14, attention="eager"),
 }
 
 
@@ -202,7 +210,12 @@ def hf_config(c: HFBenchConfig):
                                  mlp_only_layers=[], norm_topk_prob=True)
     if c.family == "mixtral":
         return tf.MixtralConfig(**common, intermediate_size=c.ffn, num_local_experts=c.num_experts)
-    raise ValueError(f"family: expected 'qwen3_moe', 'mixtral' or 'olmoe', got {c.family!r}")
+    if c.family == "gpt_oss":
+        layer_types = ["sliding_attention", "full_attention"] * (c.layers // 2 + 1)
+        return tf.GptOssConfig(**common, intermediate_size=c.ffn, num_local_experts=c.num_experts,
+                               sliding_window=128, layer_types=layer_types[:c.layers])
+    raise ValueError(f"family: expected 'qwen3_moe', 'mixtral', 'olmoe' or 'gpt_oss', got "
+                     f"{c.family!r}")
 
 
 def build(c: HFBenchConfig, implementation: str, device, seed: int = 0):
@@ -219,7 +232,7 @@ def build(c: HFBenchConfig, implementation: str, device, seed: int = 0):
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         with device:
-            model = tf.AutoModelForCausalLM.from_config(hf_config(c), attn_implementation="sdpa",
+            model = tf.AutoModelForCausalLM.from_config(hf_config(c), attn_implementation=c.attention,
                                                         experts_implementation="grouped_mm")
     model = model.to(torch.bfloat16)
     if implementation != "grouped_mm":
