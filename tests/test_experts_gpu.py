@@ -190,7 +190,10 @@ def test_activation_kinds_layouts_and_bias_match_reference(gen, dtype, layout, a
     ref_ops.act_backward(grads[1], rows[1], acts[1], pre, rw, live, write_act=True, **kw)
     _close(grads[0], grads[1], exact)
     _close(rows[0], rows[1], exact)
-    torch.testing.assert_close(acts[0], outs[0], equal_nan=True, **EXACT)
+    # write_act writes the forward's activation over the live rows and leaves the rest as given
+    torch.testing.assert_close(acts[0][:live_rows], outs[0][:live_rows], **EXACT)
+    assert torch.equal(acts[0][live_rows:], grad_out[live_rows:])
+    _close(acts[0], acts[1], exact)
     assert float(grads[1][:live_rows].float().abs().max()) > 0.1
     assert grads[0][live_rows:].isnan().all()
 

@@ -169,11 +169,13 @@ def ep_capture_case(rank: int, device, seed: int, world: int = 2):
 def test_matrix_families_on_the_gpu_match_the_default_implementation(family):
     """The compatibility matrix's check on CUDA (float32, the CuPy expert kernels: every
     activation kind, interleaved rows, biases, transposed weights, a post-expert norm) against
-    transformers' default experts implementation: 1e-5 relative, the experts' share large."""
+    transformers' default experts implementation: 5e-5 relative (the CPU's matrix holds 1e-5;
+    on an H100, gemma4's GELU-tanh expert gradients differed by 1.2e-5, tanhf in the kernel
+    against torch's), the experts' share large."""
     from graphstash.tools import hf_families, hf_matrix
 
     if family not in hf_families.families():
         pytest.skip(f"transformers {__import__('transformers').__version__} has no {family}")
-    row = hf_matrix.check(family, device="cuda")
+    row = hf_matrix.check(family, device="cuda", rtol=5e-5)
     assert row.status == "matches", row
     assert row.share > hf_matrix.MIN_SHARE, row
