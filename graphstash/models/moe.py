@@ -263,7 +263,7 @@ class MoEModel(nn.Module):
         self.config = config
         self.mode = mode
         self.group = group
-        self._nccl_world = world
+        self._world = world
         self.stash_manager = stash_manager
         self.status = status
         local = config.num_experts // world
@@ -295,7 +295,7 @@ class MoEModel(nn.Module):
         changes with the step). In place, between steps: a captured graph reads the new bias."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step: expected an int >= 0, got {step!r}")
-        bias = routing_bias(self.config.routing, self.config.num_experts, self._nccl_world, step)
+        bias = routing_bias(self.config.routing, self.config.num_experts, self._world, step)
         with torch.no_grad():
             for block in self.blocks:
                 if block.routing_bias is not None:
@@ -370,7 +370,7 @@ class MoEModel(nn.Module):
         c = self.config
         chunk = None
         if c.chunk_factor is not None and self.mode != "dropless":
-            chunk = max(1, math.ceil(c.chunk_factor * x.shape[0] * c.topk / self._nccl_world))
+            chunk = max(1, math.ceil(c.chunk_factor * x.shape[0] * c.topk / self._world))
         return make_exchange(self.group, kind="nccl chunks", chunk_rows=chunk)
 
     def _warn_unstashed(self) -> None:
