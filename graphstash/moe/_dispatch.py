@@ -653,9 +653,8 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
         out = combine(y, handle)
     """
     exchange = as_exchange(exchange, group, chunk_rows, caller="dispatch")
-    _check_float("x", x)
-    exchange = exchange.for_tokens(x)
     _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_multiple, exchange)
+    exchange = exchange.for_tokens(x)
     dropless = budget is None or is_dropless()
     status, source = resolve(status, x.device)
     kernels = kernels_for(backend, x.device)
