@@ -69,6 +69,18 @@ __device__ __forceinline__ A sigmoid_of(A x) { return acc_div(A(1), acc_add(A(1)
 #define GS_ACT_RELU 5
 #define GS_ACT_RELU2 6
 
+// SiLU's f(g) and, with GRAD, f'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g))): GS_ACT_SILU of
+// kind_terms and the whole per-element activation of the PLAIN kernels (NOTE [plain SiLU
+// kernels]), so the two compute the same rounded operations in the same order.
+template <typename A, bool GRAD>
+__device__ __forceinline__ void silu_terms(A g, A& f, A& df) {
+    f = silu_of(g);
+    if (GRAD) {
+        const A sg = acc_div(A(1), acc_add(A(1), acc_exp(-g)));
+        df = acc_mul(sg, acc_add(A(1), acc_mul(g, acc_sub(A(1), sg))));
+    }
+}
+
 // An activation's kind and constants in the accumulator type (each rounded from the double the
 // launcher passes, as the reference rounds its constants), and which optional steps apply.
 template <typename A>
@@ -143,13 +155,8 @@ __device__ __forceinline__ void kind_terms(A g, const ActParams<A>& p, A& f, A& 
         if (GRAD) df = acc_mul(A(2), r);
         break;
     }
-    default: {                                          // GS_ACT_SILU
-        f = silu_of(g);
-        if (GRAD) {
-            const A sg = acc_div(A(1), acc_add(A(1), acc_exp(-g)));
-            df = acc_mul(sg, acc_add(A(1), acc_mul(g, acc_sub(A(1), sg))));
-        }
-    }
+    default:                                            // GS_ACT_SILU
+        silu_terms<A, GRAD>(g, f, df);
     }
 }
 
@@ -289,6 +296,18 @@ __device__ __forceinline__ ExpertRows expert_rows(const long long* __restrict__ 
         const long long* __restrict__ ends, int experts
 #define GS_ACT_PASS kind, alpha, gate_limit, up_limit, up_offset, gate_cap, up_cap, bias, ends, experts
 
+// NOTE [plain SiLU kernels]: the training path's activation is SiLU (plain) or SwiGLU (gated,
+// gate and up concatenated) with no clamp, no softcap or offset on up and no bias; the generic
+// per-element code (the kind switch, the clamp tests, the bias row and its expert search) made
+// an expert-parallel training step about 3% slower there. Those calls run the kernels compiled
+// with PLAIN (gs_expert_silu_*, LAYOUT 0 and 1): per element silu_terms and the products only,
+// as before the other kinds existed. They take the generic kernels' arguments and ignore the
+// activation ones (kind, constants, bias, ends). Their results equal the generic kernels' with
+// GS_ACT_SILU and the default constants bit for bit: every step the generic code adds is then
+// an identity (clamp_gate returns g, up_terms returns u with du = 1, both gradients pass) and
+// the rest is the same rounded operations in the same order. The launcher
+// (graphstash/_kernels/experts.py) picks them; tests/test_experts_gpu.py compares the two.
+
 // ---------------------------------------------------------------------------------------
 // gs_expert_act_fwd_<dtype>_g<LAYOUT>_v<W>: out[r, j] = act(pre[r] + bias[e(r)])[j] * w[r] for
 // r < live. One warp per row (grid-stride over rows, persistent grid); lane l handles the
@@ -296,11 +315,14 @@ __device__ __forceinline__ ExpertRows expert_rows(const long long* __restrict__ 
 // (1: gate, then up; 2: gate and up interleaved). w and bias may be null. A row's expert
 // (with a bias) is a binary search of ends, once per row. Rows in [live, rows) are written as
 // zeros when zero_tail, else not at all. No atomics, no shared memory.
+// gs_expert_silu_fwd_<dtype>_g<LAYOUT>_v<W> (PLAIN, LAYOUT 0 and 1): the same with SiLU or
+// SwiGLU and no clamp, softcap, offset or bias (NOTE [plain SiLU kernels]).
 // ---------------------------------------------------------------------------------------
-template <typename T, int LAYOUT, bool VEC>
+template <typename T, int LAYOUT, bool VEC, bool PLAIN>
 __device__ void act_fwd_impl(T* __restrict__ out, const T* __restrict__ pre,
                              const T* __restrict__ row_weight, const long long* __restrict__ live,
                              long long rows, long long ffn, int zero_tail, GS_ACT_ARGS(T)) {
+    static_assert(!PLAIN || LAYOUT != 2, "no SiLU kernel for interleaved gate and up");
     using A = typename Acc<T>::type;
     const ActParams<A> p = act_params<A>(kind, alpha, gate_limit, up_limit, up_offset, gate_cap,
                                          up_cap);
@@ -312,8 +334,8 @@ __device__ void act_fwd_impl(T* __restrict__ out, const T* __restrict__ pre,
             continue;
         }
         const T* g_row = pre + r * w.pre_stride;
-        const T* b_row = bias != nullptr ? bias + expert_of(ends, experts, r) * w.pre_stride
-                                         : nullptr;
+        const T* b_row = !PLAIN && bias != nullptr            // PLAIN: no bias row, no search
+                             ? bias + expert_of(ends, experts, r) * w.pre_stride : nullptr;
         const bool weighted = row_weight != nullptr;
         const A scale = weighted ? to_acc(row_weight[r]) : A(1);
         #pragma unroll 2
@@ -323,12 +345,17 @@ __device__ void act_fwd_impl(T* __restrict__ out, const T* __restrict__ pre,
             load_pre<T, LAYOUT, VEC>(g_row, b_row, j0, ffn, g, u);
             #pragma unroll
             for (int e = 0; e < GS_BLOCK; ++e) {
-                bool passes;
                 A f, df;
-                kind_terms<A, false>(clamp_gate(g[e], p, passes), p, f, df);
-                if (LAYOUT != 0) {
-                    A du;
-                    f = acc_mul(f, up_terms(u[e], p, du, passes));
+                if (PLAIN) {                            // silu(g), silu(g) * u
+                    silu_terms<A, false>(g[e], f, df);
+                    if (LAYOUT != 0) f = acc_mul(f, u[e]);
+                } else {
+                    bool passes;
+                    kind_terms<A, false>(clamp_gate(g[e], p, passes), p, f, df);
+                    if (LAYOUT != 0) {
+                        A du;
+                        f = acc_mul(f, up_terms(u[e], p, du, passes));
+                    }
                 }
                 a[e] = weighted ? acc_mul(f, scale) : f;
             }
@@ -351,12 +378,15 @@ __device__ void act_fwd_impl(T* __restrict__ out, const T* __restrict__ pre,
 // writes an element of grad_pre (both halves when gated) or of act_out has read the elements
 // of pre and grad_out it needs in the same step, and no lane reads an element another lane
 // writes; those pointers are therefore not __restrict__.
+// gs_expert_silu_bwd_<dtype>_g<LAYOUT>_v<W> (PLAIN, LAYOUT 0 and 1): the same with SiLU or
+// SwiGLU and no clamp, softcap, offset or bias (NOTE [plain SiLU kernels]).
 // ---------------------------------------------------------------------------------------
-template <typename T, int LAYOUT, bool VEC>
+template <typename T, int LAYOUT, bool VEC, bool PLAIN>
 __device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ grad_row,
                              T* act_out, const T* grad_out, const T* pre,
                              const T* __restrict__ row_weight, const long long* __restrict__ live,
                              long long rows, long long ffn, int zero_tail, GS_ACT_ARGS(T)) {
+    static_assert(!PLAIN || LAYOUT != 2, "no SiLU kernel for interleaved gate and up");
     using A = typename Acc<T>::type;
     const ActParams<A> p = act_params<A>(kind, alpha, gate_limit, up_limit, up_offset, gate_cap,
                                          up_cap);
@@ -372,8 +402,8 @@ __device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ gr
             continue;
         }
         const T* g_row = pre + r * w.pre_stride;
-        const T* b_row = bias != nullptr ? bias + expert_of(ends, experts, r) * w.pre_stride
-                                         : nullptr;
+        const T* b_row = !PLAIN && bias != nullptr            // PLAIN: no bias row, no search
+                             ? bias + expert_of(ends, experts, r) * w.pre_stride : nullptr;
         const T* go_row = grad_out + r * ffn;
         const bool weighted = row_weight != nullptr;
         const A scale = weighted ? to_acc(row_weight[r]) : A(1);
@@ -387,10 +417,15 @@ __device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ gr
             load8<T, VEC>(go_row, j0, ffn, ga);
             #pragma unroll
             for (int e = 0; e < GS_BLOCK; ++e) {
-                bool g_passes, u_passes = true;
+                bool g_passes = true, u_passes = true;
                 A f, df, up = A(1), du = A(1);
-                kind_terms<A, true>(clamp_gate(g[e], p, g_passes), p, f, df);
-                if (LAYOUT != 0) up = up_terms(u[e], p, du, u_passes);
+                if (PLAIN) {                            // no clamp, softcap or offset
+                    silu_terms<A, true>(g[e], f, df);
+                    if (LAYOUT != 0) up = u[e];
+                } else {
+                    kind_terms<A, true>(clamp_gate(g[e], p, g_passes), p, f, df);
+                    if (LAYOUT != 0) up = up_terms(u[e], p, du, u_passes);
+                }
                 a[e] = LAYOUT != 0 ? acc_mul(f, up) : f;        // the forward's activation
                 if (grad_row != nullptr && j0 + e < ffn) dot = acc_add(dot, acc_mul(ga[e], a[e]));
                 if (weighted) a[e] = acc_mul(a[e], scale);  // ... and its output
@@ -398,7 +433,7 @@ __device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ gr
                 if (LAYOUT != 0) {
                     dg[e] = acc_mul(acc_mul(gw, up), df);
                     A gu = acc_mul(gw, f);                  // the up projection's gradient
-                    if (p.up_cap != A(0)) gu = acc_mul(gu, du);
+                    if (!PLAIN && p.up_cap != A(0)) gu = acc_mul(gu, du);
                     u[e] = u_passes ? gu : A(0);
                 } else {
                     dg[e] = acc_mul(gw, df);
@@ -416,32 +451,41 @@ __device__ void act_bwd_impl(T* grad_pre, typename Acc<T>::type* __restrict__ gr
     }
 }
 
-#define GS_EXPERT_KERNELS(NAME, T, LAYOUT, VEC, W)                                             \
+// gs_expert_<OP>_{fwd,bwd}_<NAME>_g<LAYOUT>_v<W>: OP act (any kind, PLAIN false) or silu
+// (PLAIN true, NOTE [plain SiLU kernels]); both take the same arguments.
+#define GS_EXPERT_KERNELS(OP, PLAIN, NAME, T, LAYOUT, VEC, W)                                  \
     extern "C" __global__ void __launch_bounds__(GS_THREADS)                                   \
-        gs_expert_act_fwd_##NAME##_g##LAYOUT##_v##W(                                           \
+        gs_expert_##OP##_fwd_##NAME##_g##LAYOUT##_v##W(                                        \
             T* out, const T* pre, const T* row_weight, const long long* live, long long rows,  \
             long long ffn, int zero_tail, GS_ACT_ARGS(T)) {                                    \
-        act_fwd_impl<T, LAYOUT, VEC>(out, pre, row_weight, live, rows, ffn, zero_tail,         \
-                                     GS_ACT_PASS);                                             \
+        act_fwd_impl<T, LAYOUT, VEC, PLAIN>(out, pre, row_weight, live, rows, ffn, zero_tail,  \
+                                            GS_ACT_PASS);                                      \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GS_THREADS)                                   \
-        gs_expert_act_bwd_##NAME##_g##LAYOUT##_v##W(                                           \
+        gs_expert_##OP##_bwd_##NAME##_g##LAYOUT##_v##W(                                        \
             T* grad_pre, Acc<T>::type* grad_row, T* act_out, const T* grad_out, const T* pre,  \
             const T* row_weight, const long long* live, long long rows, long long ffn,         \
             int zero_tail, GS_ACT_ARGS(T)) {                                                   \
-        act_bwd_impl<T, LAYOUT, VEC>(grad_pre, grad_row, act_out, grad_out, pre, row_weight,   \
-                                     live, rows, ffn, zero_tail, GS_ACT_PASS);                 \
+        act_bwd_impl<T, LAYOUT, VEC, PLAIN>(grad_pre, grad_row, act_out, grad_out, pre,        \
+                                            row_weight, live, rows, ffn, zero_tail,            \
+                                            GS_ACT_PASS);                                      \
     }
 // Per dtype (element size SIZE bytes, GS_BLOCK * SIZE = PACK): plain, gated and gated
-// interleaved, element by element (W = SIZE) and in GS_BLOCK-element packs (W = PACK).
+// interleaved, element by element (W = SIZE) and in GS_BLOCK-element packs (W = PACK), any
+// kind; plain and gated again for SiLU / SwiGLU alone (no interleaved one: the layout of
+// GPT-OSS, whose activation is clamped).
 #define GS_EXPERT_DTYPE(NAME, T, SIZE, PACK)                                                   \
     static_assert(sizeof(T) == SIZE && PACK == GS_BLOCK * SIZE, "W of the " #NAME " kernels"); \
-    GS_EXPERT_KERNELS(NAME, T, 0, 0, SIZE)                                                     \
-    GS_EXPERT_KERNELS(NAME, T, 0, 1, PACK)                                                     \
-    GS_EXPERT_KERNELS(NAME, T, 1, 0, SIZE)                                                     \
-    GS_EXPERT_KERNELS(NAME, T, 1, 1, PACK)                                                     \
-    GS_EXPERT_KERNELS(NAME, T, 2, 0, SIZE)                                                     \
-    GS_EXPERT_KERNELS(NAME, T, 2, 1, PACK)
+    GS_EXPERT_KERNELS(act, false, NAME, T, 0, 0, SIZE)                                         \
+    GS_EXPERT_KERNELS(act, false, NAME, T, 0, 1, PACK)                                         \
+    GS_EXPERT_KERNELS(act, false, NAME, T, 1, 0, SIZE)                                         \
+    GS_EXPERT_KERNELS(act, false, NAME, T, 1, 1, PACK)                                         \
+    GS_EXPERT_KERNELS(act, false, NAME, T, 2, 0, SIZE)                                         \
+    GS_EXPERT_KERNELS(act, false, NAME, T, 2, 1, PACK)                                         \
+    GS_EXPERT_KERNELS(silu, true, NAME, T, 0, 0, SIZE)                                         \
+    GS_EXPERT_KERNELS(silu, true, NAME, T, 0, 1, PACK)                                         \
+    GS_EXPERT_KERNELS(silu, true, NAME, T, 1, 0, SIZE)                                         \
+    GS_EXPERT_KERNELS(silu, true, NAME, T, 1, 1, PACK)
 
 GS_EXPERT_DTYPE(bf16, Bf16, 2, 16)
 GS_EXPERT_DTYPE(f16, F16, 2, 16)

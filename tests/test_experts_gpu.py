@@ -82,6 +82,67 @@ def test_kernels_match_reference_exactly(gen, dtype, gated, ffn, zero_tail):
             torch.testing.assert_close(overwritten[1], outs[1], equal_nan=True, **EXACT)
 
 
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns (so -0.0 and 0.0 differ)."""
+    return t.view(_BITS[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("ffn", [5, 64])
+@pytest.mark.parametrize("zero_tail", [False, True])
+def test_silu_kernels_equal_the_generic_kernels_bit_for_bit(gen, monkeypatch, dtype, gated, ffn,
+                                                            zero_tail):
+    """NOTE [plain SiLU kernels]: SiLU and SwiGLU with the default constants and no bias run
+    gs_expert_silu_*, whose arithmetic is the generic kernels' GS_ACT_SILU without the clamp,
+    cap, offset and bias steps; every output (forward, grad_pre, grad_row, the forward's
+    output written over grad_out) has the same bits as the generic kernels', weighted and
+    not, packed (ffn=64) and element by element (ffn=5), with values whose exp overflows.
+    Outputs start at a finite sentinel, so the rows past the count compare too."""
+    from graphstash._kernels import experts as launcher
+
+    cupy_ops, _ = _ops()
+    R, live_rows = 37, 29
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    width = 2 * ffn if gated else ffn
+    pre = torch.randn(R, width, generator=gen, dtype=torch.float64) * 3
+    every_7th = (pre.numel() + 6) // 7          # exp(100) overflows float: silu(-100) is -0.0
+    specials = torch.tensor([-100.0, 100.0, 0.0, -0.0, -30.0, 30.0], dtype=torch.float64)
+    pre.view(-1)[::7] = specials.repeat(every_7th)[:every_7th]
+    pre = pre.to("cuda", dtype)
+    live = torch.tensor([live_rows], dtype=torch.int64, device="cuda")
+    rw = (torch.rand(R, generator=gen, dtype=torch.float64) + 0.1).to("cuda", dtype)
+    grad_out = torch.randn(R, ffn, generator=gen, dtype=torch.float64).to("cuda", dtype)
+    kw = dict(gated=gated, zero_tail=zero_tail)
+
+    def run(plain: bool, w: torch.Tensor | None) -> list[torch.Tensor]:
+        monkeypatch.setattr(launcher, "PLAIN_SILU", plain)
+        act = ExpertActivation()
+        for way, tensors in (("fwd", (pre,)), ("bwd", (pre, pre))):
+            name = launcher._variant(way, pre, gated, False, ffn, act, None, *tensors)
+            assert name.startswith(f"gs_expert_{'silu' if plain else 'act'}_{way}_"), name
+        out = torch.full((R, ffn), 7.0, dtype=dtype, device="cuda")
+        cupy_ops.act_forward(out, pre, w, live, **kw)
+        grads = [torch.full((R, width), 7.0, dtype=dtype, device="cuda") for _ in range(2)]
+        row = torch.full((R,), 7.0, dtype=acc, device="cuda")
+        act_out = grad_out.clone()
+        cupy_ops.act_backward(grads[0], row, act_out, pre, w, live, write_act=True, **kw)
+        cupy_ops.act_backward(grads[1], None, grad_out, pre, w, live, **kw)
+        return [out, grads[0], row, act_out, grads[1]]
+
+    for w in (rw, None):
+        plain, generic = run(True, w), run(False, w)
+        for name, a, b in zip(("out", "grad_pre", "grad_row", "act_out", "grad_pre (no row)"),
+                              plain, generic):
+            assert not a[:live_rows].isnan().any(), name
+            assert torch.equal(_bits(a), _bits(b)), name
+        assert (plain[0][live_rows:] == (0 if zero_tail else 7)).all()
+        assert float(plain[0][:live_rows].float().abs().max()) > 0.1
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_expert_mlp_gradcheck_fp64_on_gpu(gen, gated):
     R, H, F, E = 14, 5, 7, 3

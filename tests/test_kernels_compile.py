@@ -15,8 +15,10 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 from graphstash import _kernels
+from graphstash.reference.activation import ExpertActivation
 from raw_kernels import KERNEL_DIR, TUNABLES_HEADER, int_defines
 
 NVCC = shutil.which("nvcc")
@@ -96,13 +98,69 @@ def test_activation_kinds_are_numbered_as_the_launcher_numbers_them():
                                                                 enumerate(KINDS)}
 
 
+def test_the_silu_kernels_are_registered_beside_the_generic_ones():
+    """NOTE [plain SiLU kernels] (moe_experts.cu): a gs_expert_silu_* kernel for every plain
+    and gated gs_expert_act_* one (every dtype and width), none for interleaved gate and up."""
+    source, kernels = _kernels.sources()["moe_experts"]
+    generic = {k for k in kernels if k.startswith("gs_expert_act_")}
+    silu = {k for k in kernels if k.startswith("gs_expert_silu_")}
+    assert source == "moe_experts.cu" and generic | silu == set(kernels)
+    assert len(generic) == 2 * 4 * 3 * 2          # fwd/bwd, dtypes, layouts, widths
+    assert silu == {k.replace("_act_", "_silu_") for k in generic if "_g2_" not in k}
+    assert all(follows_convention(k) for k in kernels)
+
+
+SILU_CASES = [   # (activation, gated, interleaved, bias): whether the SiLU kernels compute it
+    (ExpertActivation(), False, False, False, True),
+    (ExpertActivation(), True, False, False, True),
+    (ExpertActivation(), False, True, False, True),     # plain: interleaving means nothing
+    (ExpertActivation(alpha=1.702, gate_cap=3.0), True, False, False, True),   # unused by SiLU
+    (ExpertActivation(), True, True, False, False),     # interleaved: generic only
+    (ExpertActivation(), True, False, True, False),
+    (ExpertActivation(gate_limit=7.0), True, False, False, False),
+    (ExpertActivation(gate_limit=1e300), True, False, False, False),    # the kernel clamps
+    (ExpertActivation(up_limit=7.0), True, False, False, False),
+    (ExpertActivation(up_cap=3.0), True, False, False, False),
+    (ExpertActivation(up_offset=1.0), True, False, False, False),
+    (ExpertActivation("glu_alpha"), True, False, False, False),
+    (ExpertActivation("relu"), False, False, False, False),
+]
+
+
+@pytest.mark.parametrize("act,gated,interleaved,bias,silu", SILU_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_launcher_picks_the_silu_kernels_where_they_compute_the_same(monkeypatch, act, gated,
+                                                                        interleaved, bias, silu,
+                                                                        dtype):
+    """SiLU with no clamp (both limits infinite), no softcap or offset on up, no bias and gate
+    and up not interleaved runs gs_expert_silu_*, the rest gs_expert_act_* (the names are
+    chosen on the host: no GPU needed); with PLAIN_SILU off, everything the generic ones."""
+    from graphstash._kernels import experts
+
+    ffn = 16
+    pre = torch.zeros(4, 2 * ffn if gated else ffn, dtype=dtype)
+    b = torch.zeros(3, pre.shape[1], dtype=dtype) if bias else None
+    layout = 2 if gated and interleaved else int(gated)
+    width = {torch.bfloat16: 16, torch.float32: 32}[dtype]
+    name = {torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
+    registered = _kernels.sources()["moe_experts"][1]
+    for way in ("fwd", "bwd"):
+        expected = f"gs_expert_{'silu' if silu else 'act'}_{way}_{name}_g{layout}_v{width}"
+        assert experts._variant(way, pre, gated, interleaved, ffn, act.check(), b) == expected
+        assert expected in registered
+    monkeypatch.setattr(experts, "PLAIN_SILU", False)
+    assert experts._variant("fwd", pre, gated, interleaved, ffn, act.check(), b) == (
+        f"gs_expert_act_fwd_{name}_g{layout}_v{width}")
+
+
 def test_the_names_the_check_refuses():
     """The name check can fail: the suffixes the kernels used before the convention."""
     for name in ("gs_moe_combine_bf16_p8", "gs_expert_act_fwd_f32_g1_v1", "gs_stash_v3",
-                 "moe_gather_v16", "gs_route_place_I64"):
+                 "moe_gather_v16", "gs_route_place_I64", "gs_expert_act_fwd_bf16_g1_v16_p"):
         assert not follows_convention(name), name
     for name in ("gs_stash_v16", "gs_moe_combine_f64_v8", "gs_expert_act_bwd_bf16_g0_v16",
-                 "gs_route_layout", "gs_route_count_i32", "gs_moe_weight_grad_f16"):
+                 "gs_expert_silu_fwd_f32_g1_v4", "gs_route_layout", "gs_route_count_i32",
+                 "gs_moe_weight_grad_f16"):
         assert follows_convention(name), name
 
 
