@@ -4,7 +4,8 @@ Mirrors ``raw_kernels/gs_exchange.cuh`` (``tests/test_exchange.py`` checks they 
 region per rank holds, each field aligned to :data:`ALIGN` bytes::
 
     SIGNALS  int64 [W]                          the last barrier epoch each rank raised here
-    FLAGS    int32 [2, W, X_MAX_FLAGS]          flags pushed by all_reduce_flags_ (two parities)
+    FLAGS    int32 [2, W, X_MAX_FLAGS + X_MAX_PEAKS]  flags and peaks pushed by all_reduce_flags_
+                                                (two parities)
     COUNTS   int32 [W, X_HEADER + max_experts]  each source's header and per-expert counts
     WEIGHTS  [capacity_rows] x 8 bytes          the router weight of each received row
     ROWS     [capacity_rows] x row_bytes        the received rows
@@ -40,7 +41,8 @@ XE_TIMEOUT = 1
 XE_MISMATCH = 2
 
 X_HEADER = 4
-X_MAX_FLAGS = 16
+X_MAX_FLAGS = 16           # flags one all_reduce_flags_ sums
+X_MAX_PEAKS = 1024         # peaks it takes the maximum of in the same exchange (MAX_STEP_PEAKS)
 
 # plan workspace, int64 [XW_ARRAYS * E + 1]
 XW_OFFS = 0
@@ -85,7 +87,7 @@ class RegionLayout:
     def sizes(self) -> tuple[int, ...]:
         """Bytes of each field, in table order."""
         W = self.world_size
-        return (8 * W, 4 * 2 * W * X_MAX_FLAGS, 4 * W * self.count_stride,
+        return (8 * W, 4 * 2 * W * (X_MAX_FLAGS + X_MAX_PEAKS), 4 * W * self.count_stride,
                 WEIGHT_BYTES * self.capacity_rows, self.row_bytes * self.capacity_rows)
 
     def offsets(self) -> tuple[int, ...]:

@@ -11,8 +11,11 @@ A :class:`StepStatus` allocates the tensor, validates status arguments (:func:`c
 the one validator), raises flags (:func:`raise_flag`, :func:`raise_peak`), reads them on the
 host once (:meth:`StepStatus.read`, a pinned copy), clears them, says which step is current
 (:func:`current`, NOTE [current step]) and combines the flags across ranks
-(:meth:`StepStatus.reduced_flags`, NOTE [flags across ranks]). The public tensor stays what
-users pass around (``train_step.status``); its owner is found with :meth:`StepStatus.of`.
+(:meth:`StepStatus.reduced_flags`, NOTE [flags across ranks]). It also holds the step's
+named high-water marks (NOTE [step peaks]): what each MoE layer needed this step, reduced
+across ranks with the flags and handed to their owners (:class:`PeakOwner`) once the host
+reads the flags. The public tensor stays what users pass around (``train_step.status``); its
+owner is found with :meth:`StepStatus.of`.
 
 Nothing here touches the GPU at import time.
 """
@@ -30,7 +33,8 @@ import torch
 from . import _layout as L
 from ._checks import describe, forbid_capture, is_capturing, normalize_device
 
-__all__ = ["FLAG_NAMES", "FlagReducer", "StepStatus", "check_status", "current",
+__all__ = ["FLAG_NAMES", "FlagReducer", "MAX_STEP_PEAKS", "PeakOwner", "StepStatus",
+           "check_status", "claim_peak_slot", "current",
            "default", "new_status", "raise_flag", "raise_peak", "reading_allowed",
            "resolve", "warn_at_call_site"]
 
@@ -38,26 +42,54 @@ __all__ = ["FLAG_NAMES", "FlagReducer", "StepStatus", "check_status", "current",
 FLAG_NAMES = ("overflow", "host_spill", "over_budget")
 assert (L.SS_OVERFLOW, L.SS_HOST_SPILL, L.SS_OVER_BUDGET) == (0, 1, 2)   # one contiguous slice
 _INT32_MAX = 2**31 - 1
+# the most step peaks a process holds at once (NOTE [step peaks]); with the flags they must fit
+# one exchange of a transport's flags (X_MAX_PEAKS in graphstash/_exchange_layout.py)
+MAX_STEP_PEAKS = 1024
 
 
 @runtime_checkable
 class FlagReducer(Protocol):
     """What combines a step's flags across ranks (NOTE [flags across ranks]).
 
-    ``all_reduce_flags_(flags)`` receives the int32 ``[n]`` flag indicators of this rank on
-    the device and replaces them, in place, by their sum over every rank of the group. It
-    must be capturable in a CUDA graph: no host read, no allocation that a graph cannot hold,
-    launched on torch's current stream. An expert-parallel transport implements it so that a
-    step whose exchange needs no NCCL needs none for its flags either. Example::
+    ``all_reduce_flags_(flags, peaks=None)`` receives the int32 ``[n]`` flag indicators of
+    this rank on the device and replaces them, in place, by their sum over every rank of the
+    group; ``peaks`` (int32 ``[m]``, the step's named high-water marks, NOTE [step peaks]) is
+    replaced by its maximum over the ranks in the same exchange. It must be capturable in a
+    CUDA graph: no host read, no allocation that a graph cannot hold, launched on torch's
+    current stream. An expert-parallel transport implements it so that a step whose exchange
+    needs no NCCL needs none for its flags either. Example::
 
         class Transport:
-            def all_reduce_flags_(self, flags: torch.Tensor) -> None:
-                ...   # write flags into every peer, wait for theirs, sum in place
+            def all_reduce_flags_(self, flags, peaks=None) -> None:
+                ...   # write both into every peer, wait for theirs, sum / max in place
 
         train_step.step_status.register_reducer(Transport())
     """
 
-    def all_reduce_flags_(self, flags: torch.Tensor) -> None: ...
+    def all_reduce_flags_(self, flags: torch.Tensor,
+                          peaks: torch.Tensor | None = None) -> None: ...
+
+
+@runtime_checkable
+class PeakOwner(Protocol):
+    """Who claimed step peaks (:func:`claim_peak_slot`, NOTE [step peaks]), and is told their
+    values.
+
+    ``observe(peaks, flagged=...)`` gets, on the host after every step that raised some of
+    them, ``{key: value}`` of the owner's peaks raised in that step (the maximum over the step
+    and over the ranks) and whether the step was flagged (overflow or over budget: it was
+    rerun). ``version`` is an
+    int that changes whenever something a captured graph baked in from the owner changed (a
+    step recaptures when it differs from the one it captured with). ``state_dict()`` /
+    ``load_state_dict(state)`` snapshot and restore it (a veto of ``on_overflow``)."""
+
+    version: int
+
+    def observe(self, peaks: dict, *, flagged: bool) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def new_status(device) -> torch.Tensor:
@@ -139,6 +171,11 @@ class StepStatus:
     def _init(self) -> None:
         self._reducer: FlagReducer | None = None
         self._host: torch.Tensor | None = None        # pinned int32 copy (CUDA), made once
+        # NOTE [step peaks]: made with the status, so no capture ever allocates them
+        self._peaks = torch.full((MAX_STEP_PEAKS,), -1, dtype=torch.int32,
+                                 device=self._tensor.device)
+        self._peak_owners: dict = {}                  # id(owner) -> owner, those delivered to
+        self._first_versions: dict = {}               # id(owner) -> version before its first
         _owners[id(self._tensor)] = self
 
     @classmethod
@@ -186,14 +223,63 @@ class StepStatus:
         raise_peak(self._tensor, index, value)
 
     def clear_flags(self) -> None:
-        """Zero the sticky flags (not the high-water marks); capturable."""
+        """Zero the sticky flags and unraise the step peaks (not the status's high-water
+        marks); capturable."""
         with torch.no_grad():
             self.flags().zero_()
+            if _live_slots():
+                self.step_peaks().fill_(-1)
 
     def clear(self) -> None:
-        """Zero the flags and the high-water marks; capturable."""
+        """Zero the flags and the high-water marks, unraise the step peaks; capturable."""
         with torch.no_grad():
             self._tensor.zero_()
+            self._peaks.fill_(-1)
+
+    # ---- the step peaks -------------------------------------------------------------------
+    @property
+    def peaks(self) -> torch.Tensor:
+        """int32 ``[MAX_STEP_PEAKS]``: every slot's peak this step, -1 where none was raised
+        (NOTE [step peaks]); :func:`raise_peak` writes a slot, capturable."""
+        return self._peaks
+
+    def step_peaks(self) -> torch.Tensor:
+        """int32 ``[n]`` view of the slots up to the highest one claimed in the process."""
+        return self._peaks[:_live_slots()]
+
+    @property
+    def peak_owners(self) -> list:
+        """The :class:`PeakOwner` objects this status handed peaks to."""
+        return list(self._peak_owners.values())
+
+    def owner_versions(self) -> dict:
+        """``{id(owner): (version now, version before its first delivery here)}`` of every
+        owner this status handed peaks to: what a step compares with what its graphs (and
+        compiled code) baked in (NOTE [budgets the step adapts])."""
+        return {key: (owner.version, self._first_versions[key])
+                for key, owner in self._peak_owners.items()}
+
+    def raised_peaks(self, values) -> list:
+        """``[(owner, {key: value})]`` of the peaks raised in ``values`` (the reduced
+        :meth:`step_peaks` on the host, slot order; -1: not raised this step)."""
+        by_owner: dict = {}
+        for slot, value in enumerate(values):
+            if value < 0:
+                continue
+            claim = _SLOTS[slot] if slot < len(_SLOTS) else None
+            owner = claim[0]() if claim is not None else None
+            if owner is not None:
+                by_owner.setdefault(id(owner), (owner, {}))[1][claim[1]] = int(value)
+        return list(by_owner.values())
+
+    def deliver_peaks(self, values, *, flagged: bool) -> None:
+        """Hand each owner its raised peaks (:meth:`raised_peaks` of ``values``); ``flagged``:
+        the step was rerun."""
+        for owner, peaks in self.raised_peaks(values):
+            if id(owner) not in self._peak_owners:
+                self._peak_owners[id(owner)] = owner
+                self._first_versions[id(owner)] = owner.version
+            owner.observe(peaks, flagged=flagged)
 
     # ---- the host ---------------------------------------------------------------------
     def read(self) -> dict:
@@ -243,8 +329,10 @@ class StepStatus:
 
     def reduced_flags(self, *, distributed: bool | str = "auto", process_group=None
                       ) -> torch.Tensor:
-        """int32 ``[3]`` on the device: indicators (0/1) of overflow, host spill and over
-        budget, summed over the ranks (NOTE [flags across ranks]). Capturable, no host read.
+        """int32 ``[3 + n]`` on the device: indicators (0/1) of overflow, host spill and over
+        budget, summed over the ranks (NOTE [flags across ranks]), then the ``n`` registered
+        step peaks, their maximum over the ranks (NOTE [step peaks]). Capturable, no host
+        read.
 
         Args:
             distributed: False: this rank's flags only. ``"auto"``: combine them through the
@@ -253,21 +341,33 @@ class StepStatus:
                 (ValueError naming ``distributed`` otherwise). As ``graph_step`` takes it.
             process_group: the group ``all_reduce`` uses (default: the world).
         """
-        flags = (self.flags() != 0).to(torch.int32)
+        n = _live_slots()
+        out = torch.empty(3 + n, dtype=torch.int32, device=self.device)
+        flags, peaks = out[:3], out[3:]
+        flags.copy_(self.flags() != 0)                 # indicators, 0 / 1
+        if n:
+            peaks.copy_(self.step_peaks())
         if distributed is False:
-            return flags
-        if self._reducer is not None:
-            self._reducer.all_reduce_flags_(flags)
-            return flags
+            return out
         import torch.distributed as dist
 
         on = dist.is_available() and dist.is_initialized()
+        if self._reducer is not None:
+            if n and _takes_peaks(self._reducer):
+                self._reducer.all_reduce_flags_(flags, peaks=peaks)
+                return out
+            self._reducer.all_reduce_flags_(flags)
+            if n and on:        # a reducer of flags only: the peaks through torch.distributed
+                dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=process_group)
+            return out
         if distributed is True and not on:
             raise ValueError("distributed: True, but torch.distributed is not initialised and "
                              "no FlagReducer is registered on the step's status")
         if on:
             dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=process_group)
-        return flags
+            if n:
+                dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=process_group)
+        return out
 
     # ---- the current step -------------------------------------------------------------
     @contextlib.contextmanager
@@ -393,3 +493,61 @@ def reading_allowed() -> bool:
     nor while torch.compile traces."""
     # is_compiling first: while torch.compile traces, the capture query is never traced
     return not torch.compiler.is_compiling() and not is_capturing()
+
+
+# NOTE [step peaks]: an MoE layer knows on the device how many rows its dispatch asked for; the
+# budget that adapts to it (graphstash.moe.DispatchBudgets) must learn it on the host without
+# a host read of its own. So the layer claims a slot once, on the host (:func:`claim_peak_slot`;
+# slots are the process's, so the traced and captured code only indexes a tensor with a
+# constant), and each step raises it on the device in the current step's status (a max into
+# ``StepStatus.peaks``, capturable, traceable by torch.compile whole). The step that owns the
+# status unraises the peaks (-1) with its flags, reduces them across ranks in the exchange of
+# its flags (the maximum; the flags are summed), copies them to the host with the flags (the
+# one read a step already makes) and hands each owner the peaks raised that step
+# (:meth:`StepStatus.deliver_peaks`). A slot is freed when its owner is collected.
+_SLOTS: list = []                 # slot -> (weakref to the owner, key) or None (free)
+
+
+def _takes_peaks(reducer) -> bool:
+    """Whether ``reducer.all_reduce_flags_`` takes ``peaks=`` (a FlagReducer written before
+    the step peaks takes the flags only)."""
+    import inspect
+
+    try:
+        params = inspect.signature(reducer.all_reduce_flags_).parameters
+    except (TypeError, ValueError):
+        return False
+    return "peaks" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _live_slots() -> int:
+    """1 + the highest slot claimed (0: none)."""
+    n = len(_SLOTS)
+    while n and _SLOTS[n - 1] is None:
+        n -= 1
+    return n
+
+
+def claim_peak_slot(owner: PeakOwner, key) -> int:
+    """A free slot of the step peaks for ``owner``'s peak named ``key`` (NOTE [step peaks]),
+    held until ``owner`` is collected. ValueError past :data:`MAX_STEP_PEAKS` live slots."""
+    if not isinstance(owner, PeakOwner):
+        raise TypeError(f"owner: expected a graphstash.status.PeakOwner, got "
+                        f"{type(owner).__name__}")
+    try:
+        slot = _SLOTS.index(None)
+    except ValueError:
+        slot = len(_SLOTS)
+        if slot >= MAX_STEP_PEAKS:
+            raise ValueError(f"key: a process holds at most {MAX_STEP_PEAKS} step peaks at once "
+                             f"(adaptive budgets of MoE layers); {key!r} would be one more") \
+                from None
+        _SLOTS.append(None)
+    _SLOTS[slot] = (weakref.ref(owner), key)
+    weakref.finalize(owner, _free_slot, slot, _SLOTS[slot])
+    return slot
+
+
+def _free_slot(slot: int, claim) -> None:
+    if slot < len(_SLOTS) and _SLOTS[slot] is claim:
+        _SLOTS[slot] = None

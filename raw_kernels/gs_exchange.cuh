@@ -5,7 +5,7 @@
 
 // ---- peer table: int64 [GS_XF_FIELDS][W], table[f * W + p] = address of field f of rank p --
 #define GS_XF_SIGNALS 0         // int64 [W]: slot s holds the last barrier epoch rank s raised
-#define GS_XF_FLAGS 1           // int32 [2][W][GS_X_MAX_FLAGS]: flags pushed by all_reduce_flags_
+#define GS_XF_FLAGS 1           // int32 [2][W][GS_X_MAX_FLAGS + GS_X_MAX_PEAKS]: flags, peaks
 #define GS_XF_COUNTS 2          // int32 [W][GS_X_HEADER + max_experts]: header + counts of rank s
 #define GS_XF_WEIGHTS 3         // [capacity] x 8 bytes: router weight of each received row
 #define GS_XF_ROWS 4            // [capacity] x row bytes: the received rows
@@ -28,7 +28,8 @@
 
 // ---- count rows ---------------------------------------------------------------------------
 #define GS_X_HEADER 4           // num_experts, budget (clamped to int32), pad_multiple, row bytes
-#define GS_X_MAX_FLAGS 16       // most flags one all_reduce_flags_ call combines
+#define GS_X_MAX_FLAGS 16       // most flags one all_reduce_flags_ call sums
+#define GS_X_MAX_PEAKS 1024     // most peaks it takes the maximum of in the same exchange
 
 // ---- plan workspace of one dispatch: int64 [GS_XW_SIZE(E)] ----------------------------------
 // offs[g]: first row of global expert g in its receiver's permuted layout; total[g]: rows all

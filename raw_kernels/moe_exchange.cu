@@ -466,34 +466,45 @@ GS_PUSH(2, unsigned short)
 GS_PUSH(1, unsigned char)
 
 // ---------------------------------------------------------------------------------------
-// gs_xchg_flags: one block. Sums the int32 flags[n] (n <= GS_X_MAX_FLAGS) over the ranks in
-// place: writes them into slot [parity][me] of every rank's FLAGS (parity of the coming
-// barrier's epoch, NOTE [exchange signals]), barrier, then thread i adds slot i of every rank
-// (__ldcg) and writes flags[i]. After a failed exchange every flag is at least 1 (NOTE
-// [exchange timeout]). No atomics.
+// gs_xchg_flags: one block. Sums the int32 flags[n] (n <= GS_X_MAX_FLAGS) and takes the
+// maximum of the int32 peaks[m] (m <= GS_X_MAX_PEAKS; NOTE [step peaks] in graphstash/status.py)
+// over the ranks in place: writes both into slot [parity][me] of every rank's FLAGS (parity of
+// the coming barrier's epoch, NOTE [exchange signals]; flags at 0..n-1, peaks at
+// GS_X_MAX_FLAGS..), barrier, then thread i reduces entry i of every rank (__ldcg) and writes it
+// back. After a failed exchange every flag is at least 1 (NOTE [exchange timeout]); the peaks
+// are what arrived. No atomics.
 // ---------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(GS_THREADS)
     gs_xchg_flags(const long long* __restrict__ table, long long* state, int W, int me,
-                  long long timeout_ns, int* flags, int n) {
+                  long long timeout_ns, int* flags, int n, int* peaks, int m) {
+    constexpr int stride = GS_X_MAX_FLAGS + GS_X_MAX_PEAKS;
     __shared__ long long next_s;
     if (threadIdx.x == 0) {
         next_s = state[GS_XS_EPOCH] + 1;
-        state[GS_XS_META_BYTES] += 4LL * W * n;
+        state[GS_XS_META_BYTES] += 4LL * W * (n + m);
     }
     __syncthreads();
     const long long parity = next_s & 1;
-    for (int i = threadIdx.x; i < W * n; i += blockDim.x) {
-        const int p = i / n, f = i - p * n;
-        int* slots = reinterpret_cast<int*>(table[GS_XF_FLAGS * W + p]);
-        slots[(parity * W + me) * GS_X_MAX_FLAGS + f] = flags[f];
+    const int k = n + m;
+    for (int i = threadIdx.x; i < W * k; i += blockDim.x) {
+        const int p = i / k, f = i - p * k;
+        int* slots = reinterpret_cast<int*>(table[GS_XF_FLAGS * W + p]) + (parity * W + me) * stride;
+        if (f < n) slots[f] = flags[f];
+        else slots[GS_X_MAX_FLAGS + f - n] = peaks[f - n];
     }
     block_barrier(table, state, W, me, timeout_ns);
     const int* own = reinterpret_cast<const int*>(table[GS_XF_FLAGS * W + me]);
     const bool failed = state[GS_XS_ERROR] != 0;
     for (int f = threadIdx.x; f < n; f += blockDim.x) {
         long long sum = 0;
-        for (int s = 0; s < W; ++s) sum += __ldcg(own + (parity * W + s) * GS_X_MAX_FLAGS + f);
+        for (int s = 0; s < W; ++s) sum += __ldcg(own + (parity * W + s) * stride + f);
         if (failed && sum < 1) sum = 1;
         flags[f] = static_cast<int>(min(sum, GS_INT32_MAX));
+    }
+    for (int j = threadIdx.x; j < m; j += blockDim.x) {
+        int top = __ldcg(own + parity * W * stride + GS_X_MAX_FLAGS + j);
+        for (int s = 1; s < W; ++s)
+            top = max(top, __ldcg(own + (parity * W + s) * stride + GS_X_MAX_FLAGS + j));
+        peaks[j] = top;
     }
 }

@@ -181,6 +181,12 @@ def _gloo_ranks(rank: int, world: int, E: int) -> None:
     values = torch.tensor([rank + 1, 0, 2 * rank], dtype=torch.int32)
     transport.all_reduce_flags_(values)
     assert values.tolist() == [world * (world + 1) // 2, 0, world * (world - 1)]
+    # with the step's peaks in the same exchange: flags summed, peaks their maximum
+    values = torch.tensor([rank + 1, 0, 2 * rank], dtype=torch.int32)
+    peaks = torch.tensor([rank, 10 * (world - rank), -rank], dtype=torch.int32)
+    transport.all_reduce_flags_(values, peaks)
+    assert values.tolist() == [world * (world + 1) // 2, 0, world * (world - 1)]
+    assert peaks.tolist() == [world - 1, 10 * world, 0]
     # graph_step (eager on the CPU): skewed steps rerun dropless on every rank, one update each
     graph_step_case(transport, 2 * world, T, 10, device)
     # MoEModel over the exchange: budget mode eagerly, stash mode under graph_step

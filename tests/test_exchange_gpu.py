@@ -184,12 +184,27 @@ def _graph_replays(transport, E: int, T: int, replays: int, captured=None) -> di
     return {"graph_replays": replays, "max_rel_replay_out": worst}
 
 
+def _flags_and_peaks(transport, rank: int, world: int) -> None:
+    """The kernel's flags are summed and the step's peaks (NOTE [step peaks]) maximised over
+    the ranks in one exchange."""
+    flags = torch.tensor([rank + 1, 0, 2 * rank], dtype=torch.int32, device=DEVICE)
+    peaks = torch.tensor([rank, 10 * (world - rank), -rank] + [7] * 250, dtype=torch.int32,
+                         device=DEVICE)
+    transport.all_reduce_flags_(flags, peaks)
+    assert flags.tolist() == [world * (world + 1) // 2, 0, world * (world - 1)]
+    assert peaks.tolist() == [world - 1, 10 * world, 0] + [7] * 250
+    flags = torch.tensor([rank], dtype=torch.int32, device=DEVICE)
+    transport.all_reduce_flags_(flags)                  # without peaks, as before
+    assert flags.tolist() == [world * (world - 1) // 2]
+
+
 def _ranks_gpu(rank: int, world: int, E: int, T: int, full: bool, kind: str = "ipc") -> dict:
     _use_gpu_of(rank, kind)
     report = {}
     budget = fitting_budget(T, world, E, 4)
     transport = _ipc(world, budget, E)
     transport.self_test()
+    _flags_and_peaks(transport, rank, world)
     _plan_matches_reference(transport, E, T, budget, 4, None)
     _plan_matches_reference(transport, E, T, T * K // 2, 3, 6.0)        # over budget
     _eager_cases(transport, E, T, report)

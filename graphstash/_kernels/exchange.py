@@ -151,12 +151,16 @@ def _exchange_push(table: torch.Tensor, state: torch.Tensor, region: torch.Tenso
 
 
 def _exchange_flags(table: torch.Tensor, state: torch.Tensor, region: torch.Tensor,
-                    world_size: int, rank: int, timeout_ns: int, flags: torch.Tensor) -> None:
+                    world_size: int, rank: int, timeout_ns: int, flags: torch.Tensor,
+                    peaks: torch.Tensor | None = None) -> None:
     """Launch ``gs_xchg_flags`` (one block): ``flags`` (int32 ``[n]``, n <= X_MAX_FLAGS)
-    summed over the ranks in place."""
+    summed over the ranks in place, ``peaks`` (int32 ``[m]``, m <= X_MAX_PEAKS, or None)
+    replaced by their maximum over the ranks."""
     launch(_MODULE, "gs_xchg_flags", 1, state.device.index,
            (ptr(table), ptr(state), np.int32(world_size), np.int32(rank), np.int64(timeout_ns),
-            ptr(flags), np.int32(flags.numel())))
+            ptr(flags), np.int32(flags.numel()),
+            ptr(peaks) if peaks is not None else _no_ptr(),
+            np.int32(peaks.numel() if peaks is not None else 0)))
 
 
 barrier = kernel_op("exchange_barrier", _barrier, mutates_args=("state", "region", "status"),
@@ -172,4 +176,4 @@ exchange_map = kernel_op(
 exchange_push = kernel_op("exchange_push", _exchange_push, mutates_args=("state", "region"),
                           cpu=None)
 exchange_flags = kernel_op("exchange_flags", _exchange_flags,
-                           mutates_args=("state", "region", "flags"), cpu=None)
+                           mutates_args=("state", "region", "flags", "peaks"), cpu=None)

@@ -256,14 +256,19 @@ def push_rows(group, rank: int, world_size: int, state: torch.Tensor, field: tor
     state[X.XS_ROWS_SENT] += picked.numel()
 
 
-def all_reduce_flags_(group, world_size: int, state: torch.Tensor, flags: torch.Tensor) -> None:
+def all_reduce_flags_(group, world_size: int, state: torch.Tensor, flags: torch.Tensor,
+                      peaks: torch.Tensor | None = None) -> None:
     """``gs_xchg_flags`` over gloo: ``flags`` (int32 ``[n]``) summed over the ranks in place;
-    at least 1 each after a failed exchange."""
+    at least 1 each after a failed exchange; ``peaks`` (int32 ``[m]`` or None) replaced by
+    their maximum over the ranks."""
     import torch.distributed as dist
 
-    state[X.XS_META_BYTES] += 4 * world_size * flags.numel()
+    m = 0 if peaks is None else peaks.numel()
+    state[X.XS_META_BYTES] += 4 * world_size * (flags.numel() + m)
     summed = flags.to(torch.int64)
     dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+    if m:
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
     barrier(state, world_size)
     if int(state[X.XS_ERROR]) != 0:
         summed = summed.clamp(min=1)

@@ -55,8 +55,8 @@ class GlooTransport(Transport):
                       self._field_bytes(field, row_bytes), src, src_index, dest_peer, dest_row,
                       count, window_lo, window_hi, extra=extra)
 
-    def _all_reduce_flags(self, flags: torch.Tensor) -> None:
-        ref.all_reduce_flags_(self.group, self.world_size, self.state, flags)
+    def _all_reduce_flags(self, flags: torch.Tensor, peaks: torch.Tensor | None) -> None:
+        ref.all_reduce_flags_(self.group, self.world_size, self.state, flags, peaks)
 
 
 def build_gloo_transport(group=None, *, capacity_rows: int, row_bytes: int, max_experts: int,

@@ -155,11 +155,13 @@ class Transport:
         ``exchange_push`` operator in ``graphstash/_kernels/exchange.py``)."""
         raise NotImplementedError
 
-    def all_reduce_flags_(self, flags: torch.Tensor) -> None:
+    def all_reduce_flags_(self, flags: torch.Tensor, peaks: torch.Tensor | None = None) -> None:
         """Sum ``flags`` (int32 ``[n]``, ``n <= 16``, on this transport's device) over the
-        ranks, in place, through the regions: capturable, no host read, no NCCL. After a
-        failed exchange every flag is at least 1, so the step is not trusted (and the host
-        raises :class:`~graphstash.errors.ExchangeError` at its next read).
+        ranks, in place, through the regions: capturable, no host read, no NCCL; ``peaks``
+        (int32 ``[m]``, ``m <= 1024``, or None: NOTE [step peaks] in ``graphstash/status.py``)
+        become their maximum over the ranks in the same exchange. After a failed exchange
+        every flag is at least 1, so the step is not trusted (and the host raises
+        :class:`~graphstash.errors.ExchangeError` at its next read).
 
         This is the flag reducer of a training step whose exchange runs through this
         transport (``graphstash.status.FlagReducer``). Example::
@@ -172,9 +174,16 @@ class Transport:
                 or not 1 <= flags.numel() <= X.X_MAX_FLAGS or not flags.is_contiguous()):
             raise ValueError(f"flags: expected a contiguous int32 tensor of 1 to "
                              f"{X.X_MAX_FLAGS} elements on {self.device}, got {describe(flags)}")
-        self._all_reduce_flags(flags)
+        if peaks is not None and (
+                not isinstance(peaks, torch.Tensor) or peaks.dtype != torch.int32
+                or peaks.dim() != 1 or peaks.device != self.device
+                or not 1 <= peaks.numel() <= X.X_MAX_PEAKS or not peaks.is_contiguous()):
+            raise ValueError(f"peaks: expected None or a contiguous int32 tensor of 1 to "
+                             f"{X.X_MAX_PEAKS} elements on {self.device}, got "
+                             f"{describe(peaks) if isinstance(peaks, torch.Tensor) else peaks!r}")
+        self._all_reduce_flags(flags, peaks)
 
-    def _all_reduce_flags(self, flags: torch.Tensor) -> None:
+    def _all_reduce_flags(self, flags: torch.Tensor, peaks: torch.Tensor | None) -> None:
         raise NotImplementedError
 
     # ---- host side ----------------------------------------------------------------------
@@ -300,9 +309,9 @@ class PeerTransport(Transport):
                                   dest_peer, dest_row, count, window_lo, window_hi,
                                   self.capacity_rows, X.XF_WEIGHTS, weights, weights_index)
 
-    def _all_reduce_flags(self, flags: torch.Tensor) -> None:
+    def _all_reduce_flags(self, flags: torch.Tensor, peaks: torch.Tensor | None) -> None:
         self._ops().exchange_flags(self.table, self.state, self.region, self.world_size,
-                                   self.rank, self.timeout_ns, flags)
+                                   self.rank, self.timeout_ns, flags, peaks)
 
     def _close(self) -> None:
         torch.cuda.synchronize(self.device)
