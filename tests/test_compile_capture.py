@@ -213,6 +213,7 @@ def test_the_dropless_rerun_runs_uncompiled_and_leaves_the_compiled_code_alone(g
     config = MoEConfig(hidden=16, ffn=24, num_experts=4, topk=2, layers=1, num_tokens=40,
                        capacity_factor=0.5, gated=True)        # every step over budget
     model = MoEModel(config, mode="budget", seed=3)
+    model.budgets.adapt = False              # the budget stays too small: every step reruns
     backend = CountingBackend()
     compiled = torch.compile(model, backend=backend)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -225,6 +226,26 @@ def test_the_dropless_rerun_runs_uncompiled_and_leaves_the_compiled_code_alone(g
         step(torch.randn(config.num_tokens, config.hidden, generator=gen))
     assert step.stats.eager_reruns == 3 and step.stats.steps == 3
     assert backend.graphs == graphs == 1
+
+
+def test_a_grown_budget_recompiles_once_in_an_eager_call(gen):
+    """The budget grows after the first over-budget step (NOTE [adaptive budgets]); the
+    compiled model recompiles for it once, in the eager call graph_step runs before the next
+    capture (NOTE [budgets the step adapts]), and nothing reruns or compiles after that."""
+    config = MoEConfig(hidden=16, ffn=24, num_experts=4, topk=2, layers=1, num_tokens=40,
+                       capacity_factor=0.5, gated=True)
+    model = MoEModel(config, mode="budget", seed=3)
+    backend = CountingBackend()
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    proj = torch.randn(config.num_tokens, config.hidden, generator=gen)
+    step = graphstash.graph_step(lambda x: (compiled(x) * proj).sum().backward(),
+                                 optimizer=opt, warmup=1)
+    for _ in range(6):
+        step(torch.randn(config.num_tokens, config.hidden, generator=gen))
+    assert step.stats.eager_reruns == 1 and step.stats.steps == 6, step.stats
+    assert model.budgets.factor("blocks.0") > 0.5
+    assert backend.graphs == 2            # the warmup's, and the grown budget's
 
 
 @pytest.mark.slow

@@ -65,9 +65,10 @@ def _eager_control(model, x, proj):
 
 @pytest.mark.parametrize("capacity_factor,flagged", [(0.4, True), (2.0, False)])
 def test_moe_model_over_budget_reaches_step_without_wiring(gen, capacity_factor, flagged):
-    """capacity 0.4 x T*K rows: every step drops rows, is flagged through the step's status,
-    reruns dropless and updates once, exactly as eager dropless training; capacity 2: never
-    flagged, and the budget forward is the dropless one."""
+    """capacity 0.4 x T*K rows: the first step drops rows, is flagged through the step's
+    status, reruns dropless and updates once, and the budgets grow to what the routing needed
+    (NOTE [adaptive budgets]), so the next steps fit: exactly as eager dropless training;
+    capacity 2: never flagged, and the budget forward is the dropless one."""
     config, model, control = _models(capacity_factor, seed=int(torch.randint(100, (1,),
                                                                                generator=gen)))
     x = [tokens(config.num_tokens, config.hidden, gen, offset=40 * i) / config.num_tokens
@@ -80,8 +81,10 @@ def test_moe_model_over_budget_reaches_step_without_wiring(gen, capacity_factor,
     want = _eager_control(control, x, proj)
     stats = train_step.stats
     assert stats.steps == 3
-    assert stats.over_budget == (3 if flagged else 0)
-    assert stats.eager_reruns == (3 if flagged else 0)
+    assert stats.over_budget == (1 if flagged else 0)
+    assert stats.eager_reruns == (1 if flagged else 0)
+    grown = [s["capacity_factor"] > capacity_factor for s in model.budgets.stats()]
+    assert all(grown) if flagged else not any(grown)
     assert int(module_status[L.SS_OVER_BUDGET]) == 0     # the flag went to the step's status
     for got, ref in zip(losses, want):
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=0)
@@ -202,8 +205,8 @@ def test_registered_reducer_combines_the_flags_of_a_step(gen):
     assert train_step.step_status.reducer is None
     alone = StepStatus("cpu")
     alone.register_reducer(reducer)
-    assert alone.reduced_flags(distributed=False).tolist() == [0, 0, 0]
-    assert alone.reduced_flags().tolist() == [0, 0, 1]
+    assert alone.reduced_flags(distributed=False)[:3].tolist() == [0, 0, 0]
+    assert alone.reduced_flags()[:3].tolist() == [0, 0, 1]
 
 
 def _tight(gen, T=40, E=4, K=2):

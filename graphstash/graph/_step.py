@@ -27,7 +27,7 @@ import torch
 from .._checks import forbid_capture
 from .._mode import dropless
 from ..errors import CaptureError, ReleasedError, UpdateAppliedError
-from ..status import StepStatus
+from ..status import MAX_STEP_PEAKS, StepStatus
 from . import _staging as S
 from . import capture_errors, capture_memory, compile_guard, failed_capture
 from ._binding import CapturedState, step_running
@@ -64,6 +64,8 @@ class GraphStepStats:
     them changed: a hyperparameter that is not a device tensor (NOTE [scheduled
     hyperparameters]) or replaced parameters and optimizer state that could not be copied in
     (NOTE [checkpoint and resume]). Without CUDA it counts the same calls (each would recapture).
+    ``budget_changes`` counts the calls that found an adaptive dispatch budget changed (NOTE
+    [budgets the step adapts]): each ran one eager step at the new sizes and recaptured.
     """
 
     mode: str = "graph"
@@ -83,6 +85,7 @@ class GraphStepStats:
     stash_pages_peak: int = 0
     memory_before_capture: int | None = None
     invalidations: int = 0
+    budget_changes: int = 0
 
     def as_dict(self) -> dict:
         """The counters as a plain ``dict`` (for logging or JSON)."""
@@ -137,6 +140,7 @@ class _Graph:
     graph: object
     inputs: S.StaticInputs
     outputs: object                 # what the captured call returned (static tensors)
+    peaks: int                      # step peaks the graph copies out with its flags
     grads: list                     # gradient tensors the graph writes (its pool)
     nbytes: int                     # pool growth during capture + static inputs
     described: str                  # the captured call's arguments, for GraphInfo
@@ -291,6 +295,8 @@ class GraphStep:
         self._warned_contract = False
         self._eager_signatures = compile_guard.EagerSignatures()   # NOTE [compile and capture]
         self._refuse_compiles = False
+        self._peaks_baked = None                 # NOTE [budgets the step adapts]
+        self._versions_baked: dict = {}
         if self.optimizer is not None:           # NOTE [step ownership], [checkpoint and resume]
             me = weakref.ref(self)
             hooks = (self.optimizer.register_step_pre_hook(functools.partial(_refuse_step, me)),
@@ -389,12 +395,13 @@ class GraphStep:
                                      f"graph registers its state), got one on {gen.device}")
         self._setup_data_parallel()
         if dev.type == "cuda":
-            self._flags_host = torch.zeros(3, dtype=torch.int32, pin_memory=True)
+            self._flags_host = torch.zeros(3 + MAX_STEP_PEAKS, dtype=torch.int32,
+                                           pin_memory=True)
             self._flags_view = self._flags_host.numpy()
             self._done_event = torch.cuda.Event()
             self._capture_stream = torch.cuda.Stream(device=dev)
         else:
-            self._flags_host = torch.zeros(3, dtype=torch.int32)
+            self._flags_host = torch.zeros(3 + MAX_STEP_PEAKS, dtype=torch.int32)
             self._flags_view = self._flags_host.numpy()
             if not self._warned_eager:
                 self._warned_eager = True
@@ -571,6 +578,7 @@ class GraphStep:
         self._setup()
         self._check_held_state()
         self._check_hyperparameters()
+        self._check_budgets()
         if self._eager_done < self._warmup_steps or self._eager_pending:
             return self._eager_call(args, kwargs)
         if not self.graphed:
@@ -652,6 +660,33 @@ class GraphStep:
                        "[checkpoint and resume])")
         self._invalidate()
         self._eager_pending = 1
+
+    # NOTE [budgets the step adapts]
+    # The adaptive dispatch budgets (NOTE [adaptive budgets] in graphstash/moe/budgets.py)
+    # measure their layers' needs as step peaks (NOTE [step peaks]); the step hands them over
+    # after every step it read the flags of, and after an over-budget step (rerun dropless,
+    # its update applied once, the stash grown) they grow. A graph bakes the budgets in, so a
+    # call that finds an owner's version or the number of peaks changed since the last one
+    # drops the graphs and runs one eager step first: at the new sizes an expert-parallel
+    # exchange may need a larger region, which is built by a collective at an eager forward.
+    # The next call recaptures. ``on_overflow`` runs after the growth; returning False vetoes
+    # it (the budgets are restored), and it may set budgets itself.
+    def _check_budgets(self) -> None:
+        status = self.step_status
+        peaks = len(status.step_peaks())
+        changed = self._peaks_baked is not None and peaks != self._peaks_baked
+        self._peaks_baked = peaks
+        for key, (version, first) in status.owner_versions().items():
+            changed |= version != self._versions_baked.get(key, first)
+            self._versions_baked[key] = version
+        if not changed:
+            return
+        if self._first_signature is not None:
+            self._stats.budget_changes += 1
+        if self.graphed:
+            self._drop_graphs()
+        # eager: a compiled model recompiles for the new sizes here, never inside a capture
+        self._eager_pending = max(self._eager_pending, 1)
 
     def _check_hyperparameters(self) -> None:
         """NOTE [scheduled hyperparameters]: adopt changed lrs as device tensors; a changed
@@ -817,8 +852,9 @@ class GraphStep:
         self.step_status.clear_flags()
 
     def _reduced_flags(self) -> torch.Tensor:
-        """int32 [3]: indicators of overflow, host spill, over budget (summed over ranks:
-        NOTE [flags across ranks] in graphstash/status.py)."""
+        """int32 [3 + peaks]: indicators of overflow, host spill, over budget (summed over
+        ranks: NOTE [flags across ranks] in graphstash/status.py), then the step's peaks
+        (their maximum over ranks: NOTE [step peaks])."""
         return self.step_status.reduced_flags(distributed=self._distributed_arg,
                                               process_group=self._process_group)
 
@@ -863,13 +899,16 @@ class GraphStep:
         self._zero_grad()
         self._clear_flags()
         out = self._call_fn(args, kwargs, is_dropless=False)
-        overflow, spill, over_budget = (int(v) for v in self._reduced_flags().tolist())
+        reduced = self._reduced_flags().tolist()
+        overflow, spill, over_budget = reduced[:3]
         self._count_flags(overflow, spill, over_budget)
         if overflow or over_budget:
             self._restore_rng(saved_rng)
-            return self._rerun(args, kwargs, (overflow, spill, over_budget), regraph=False)
+            return self._rerun(args, kwargs, (overflow, spill, over_budget), regraph=False,
+                               peaks=reduced[3:])
         out = S.detach_tree(out)
         self._apply_update()
+        self.step_status.deliver_peaks(reduced[3:], flagged=False)
         return out
 
     def _zero_grad(self) -> None:
@@ -881,11 +920,13 @@ class GraphStep:
         self._stats.host_spills += bool(spill)
         self._stats.over_budget += bool(over_budget)
 
-    def _rerun(self, args, kwargs, flags: tuple, *, regraph: bool, finish=S.detach_tree):
+    def _rerun(self, args, kwargs, flags: tuple, *, regraph: bool, peaks=(),
+               finish=S.detach_tree):
         """Rerun a flagged step eagerly in dropless mode, grow the budget, apply its update.
 
         ``finish`` turns the step's outputs into what the call returns; it runs before the
-        update (NOTE [transactional rerun]).
+        update (NOTE [transactional rerun]). ``peaks`` are the flagged step's (NOTE [step
+        peaks]): the adaptive budgets grow from them (NOTE [budgets the step adapts]).
         """
         self._stats.eager_reruns += 1
         self._zero_grad()
@@ -895,13 +936,20 @@ class GraphStep:
         grown = self._grow_budget()
         out = finish(out)
         self._apply_update()
+        status = self.step_status
+        before = [(owner, owner.state_dict()) for owner, _ in status.raised_peaks(peaks)]
+        status.deliver_peaks(peaks, flagged=True)
         if self._on_overflow is None:
             if grown and regraph:
                 self._drop_graphs()         # the next call recaptures with the grown budget
             return out
         try:
-            self._on_overflow({"overflow": bool(flags[0]), "host_spill": bool(flags[1]),
-                               "over_budget": bool(flags[2])})
+            verdict = self._on_overflow({"overflow": bool(flags[0]),
+                                         "host_spill": bool(flags[1]),
+                                         "over_budget": bool(flags[2])})
+            if verdict is False:            # a veto: the adaptive budgets stay as they were
+                for owner, state in before:
+                    owner.load_state_dict(state)
         except Exception as exc:
             raise UpdateAppliedError(
                 f"on_overflow raised {type(exc).__name__}: {exc}. The step's update was already "
@@ -937,7 +985,7 @@ class GraphStep:
         self._clear_flags()
         out = self._call_fn(static_args, static_kwargs, is_dropless=False)
         flags = self._reduced_flags()
-        self._flags_host.copy_(flags, non_blocking=True)
+        self._flags_host[:flags.numel()].copy_(flags, non_blocking=True)
         if self._update is not None:
             flagged = (flags[0] + flags[2]) > 0
             with self._hyper.in_groups():         # NOTE [scheduled hyperparameters]
@@ -1007,6 +1055,7 @@ class GraphStep:
         names = S.leaf_names(args, kwargs)
         described = "; ".join(f"{n}: {x.describe()}" for n, x in zip(names, sig[1]))
         entry = _Graph(signature=sig, graph=graph, inputs=inputs, outputs=S.detach_tree(out),
+                       peaks=len(self.step_status.step_peaks()),
                        grads=grads, nbytes=max(0, torch.cuda.memory_reserved(dev) - reserved0),
                        described=described)
         _LIVE_GRAPHS.add(graph)
@@ -1043,7 +1092,9 @@ class GraphStep:
         t0 = time.perf_counter()
         self._done_event.record()
         self._done_event.synchronize()
-        overflow, spill, over_budget = (int(v) for v in self._flags_view)
+        view = self._flags_view
+        overflow, spill, over_budget = (int(v) for v in view[:3])
+        peaks = view[3:3 + entry.peaks].tolist()
         waited = time.perf_counter() - t0
         self._status_wait_s += waited
         self._stats.replays += 1
@@ -1055,8 +1106,9 @@ class GraphStep:
         if overflow or over_budget:
             self._restore_rng(saved_rng)
             return self._rerun(args, kwargs, (overflow, spill, over_budget), regraph=True,
-                               finish=functools.partial(self._rerun_outputs, entry))
+                               peaks=peaks, finish=functools.partial(self._rerun_outputs, entry))
         self._stats.steps += 1                  # the graph applied the update
+        self.step_status.deliver_peaks(peaks, flagged=False)
         if self._outputs_mode == "static":
             return entry.outputs
         return S.clone_tree(entry.outputs)
@@ -1148,9 +1200,12 @@ def graph_step(fn=None, **options):
             (``StashManager.grow``: a new config with ``device_factor x budget_growth``, or
             ``host_factor`` for a host-only stash; the config passed in is not changed).
         on_overflow: optional ``callable(flags: dict)`` called after a rerun applied its
-            update (for example to grow an MoE dispatch budget); graphs are recaptured
-            afterwards. If it raises, the call raises :class:`graphstash.UpdateAppliedError`
-            (the update was applied: do not retry the batch).
+            update and the adaptive dispatch budgets grew (NOTE [budgets the step adapts]; it
+            may set budgets itself, ``model.budgets.set_factor(...)``); returning ``False``
+            vetoes the growth (the budgets are restored as they were before the step); graphs
+            are recaptured afterwards. If it raises, the call raises
+            :class:`graphstash.UpdateAppliedError` (the update was applied: do not retry the
+            batch).
         generators: extra CUDA ``torch.Generator`` objects the step draws from (a list or
             tuple, or one generator; the default one is always registered with the graph).
         process_group / distributed: flags are all-reduced over this group when

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import normalize_device
-from ..moe import moe_layer
+from ..moe import DispatchBudgets, moe_layer
 from ..moe.exchange import Transport, make_exchange
 from .plain import plain_moe
 from .routing import parse_routing, routing_bias
@@ -173,7 +173,7 @@ class MoEBlock(nn.Module):
         return idx, weight.to(x.dtype)
 
     def forward(self, x: torch.Tensor, *, mode: str, group=None, stash_manager=None,
-                status=None, exchange=None) -> torch.Tensor:
+                status=None, exchange=None, budget=None) -> torch.Tensor:
         c = self.config
         if self.attn is not None:
             x = self.attn(x, c.seq_len)
@@ -187,10 +187,12 @@ class MoEBlock(nn.Module):
             stash = stash_manager if stash_manager is not None else True
         # NOTE [moe layer] in graphstash/moe/layer.py: the budget, dispatch, stash group,
         # expert MLP and unweighted combine, paired as they must be
+        # the budget: the block's adaptive one (NOTE [adaptive budgets]), else the config's
+        budgets = dict(budget=budget) if budget is not None else \
+            dict(capacity_factor=None if mode == "dropless" else c.capacity_factor)
         return x + moe_layer(h, idx, weight, self.w1, self.w2, c.num_experts, gated=c.gated,
-                             capacity_factor=None if mode == "dropless" else c.capacity_factor,
                              pad_multiple=c.pad_multiple, exchange=exchange, stash=stash,
-                             name="moe.experts", status=status)
+                             name="moe.experts", status=status, **budgets)
 
 
 class MoEModel(nn.Module):
@@ -220,6 +222,13 @@ class MoEModel(nn.Module):
         device: where the parameters are drawn and live (default: the CPU; drawing a large
             model on its GPU is much faster than moving it there).
         dtype: parameter dtype, a ``torch.dtype`` (default: float32).
+
+    ``budgets`` (modes ``"budget"`` and ``"stash"``) is the blocks' adaptive dispatch budgets
+    (:class:`graphstash.moe.DispatchBudgets`, one layer ``"blocks.<i>"`` per block, starting at
+    ``config.capacity_factor``): under ``graph_step`` a block whose routing needed more rows
+    than its budget grows it after the rerun, with no user code (NOTE [adaptive budgets]);
+    ``model.budgets.table()`` prints them, ``state_dict()`` / ``load_state_dict()`` keep them
+    with a checkpoint.
 
     ``forward(x)`` takes ``[num_tokens, hidden]`` tokens on the model's device and dtype and
     returns the same shape. Train it in bf16 on a GPU (``.to(device, torch.bfloat16)``): that
@@ -275,6 +284,12 @@ class MoEModel(nn.Module):
                                         for _ in range(config.layers))
         self.norm = nn.RMSNorm(config.hidden, device=device, dtype=dtype)
         self.to(device=device, dtype=dtype)          # attention's modules, made on the CPU
+        # NOTE [adaptive budgets] in graphstash/moe/budgets.py: one budget per block
+        self.budgets = DispatchBudgets(config.capacity_factor) if mode in ("budget", "stash") \
+            else None
+        # made here, not in the forward torch.compile traces (NOTE [budgets under torch.compile])
+        self._layer_budgets = [None] * config.layers if self.budgets is None else \
+            [self.budgets.layer(f"blocks.{i}") for i in range(config.layers)]
         self._exchange = None             # LiveRows, or a GroupExchange (NOTE [row exchange])
         if exchange not in (None, "auto"):
             if mode == "plain":
@@ -285,7 +300,7 @@ class MoEModel(nn.Module):
             self._exchange = make_exchange(
                 group, topk=config.topk, num_experts=config.num_experts,
                 capacity_factor=config.capacity_factor, pad_multiple=config.pad_multiple,
-                num_tokens=config.num_tokens, owner="MoEModel")
+                num_tokens=config.num_tokens, owner="MoEModel", budgets=self.budgets)
         self._warned_unstashed = False
         self.set_routing_step(0)
 
@@ -355,9 +370,9 @@ class MoEModel(nn.Module):
         exchange = self._row_exchange(x)
         if self.mode == "stash" and self.stash_manager is None:
             self._warn_unstashed()
-        for block in self.blocks:
+        for block, budget in zip(self.blocks, self._layer_budgets):
             x = block(x, mode=self.mode, group=self.group, stash_manager=self.stash_manager,
-                      status=self.status, exchange=exchange)
+                      status=self.status, exchange=exchange, budget=budget)
         return self.norm(x)
 
     def _row_exchange(self, x: torch.Tensor):

@@ -9,11 +9,12 @@ from ..reference.activation import ExpertActivation
 from ._dispatch import (DispatchHandle, NcclChunks, OneDevice, RowExchange, budget_rows,
                         check_routing, combine, default_status, dispatch,
                         register_transport_adapter)
+from .budgets import DispatchBudgets, LayerBudget
 from .experts import GroupedMMSupport, grouped_mm, prepare_experts
 from .layer import moe_layer
 from .mlp import expert_mlp
 
-__all__ = ["DispatchHandle", "ExpertActivation", "GroupedMMSupport", "NcclChunks", "OneDevice",
+__all__ = ["DispatchBudgets", "DispatchHandle", "ExpertActivation", "GroupedMMSupport", "NcclChunks", "OneDevice",
            "RowExchange", "budget_rows", "check_routing", "combine", "default_status", "dispatch",
-           "expert_mlp", "grouped_mm", "moe_layer", "prepare_experts",
+           "expert_mlp", "grouped_mm", "LayerBudget", "moe_layer", "prepare_experts",
            "register_transport_adapter"]

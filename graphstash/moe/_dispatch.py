@@ -307,7 +307,9 @@ class RowExchange(Protocol):
     movement) and moves the expert outputs back, summed per token (``combine_rows``, weighted
     by ``topk_weight`` unless None). ``world_size`` is the ranks the experts are spread over;
     ``for_tokens(x)`` is the exchange that moves tokens like ``x``, after refusing what it
-    cannot move (itself, or, for one built where the model runs, the one it built). The live-row exchange lives above this
+    cannot move (itself, or, for one built where the model runs, the one it built). One whose
+    region cannot grow may say how many rows a rank receives at most (``capacity_rows``): an
+    adaptive budget stops growing there (NOTE [adaptive budgets]). The live-row exchange lives above this
     module, so dispatch knows it only through this protocol and never imports it; a
     :class:`~graphstash.moe.exchange.Transport` given as ``exchange=`` is turned into one by
     the adapter its package registers (:func:`register_transport_adapter`).

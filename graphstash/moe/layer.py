@@ -5,8 +5,10 @@ know, so :func:`moe_layer` is the one place that pairs them (the reference model
 transformers backend and the expert-parallel exchange call it):
 
 - the budget is ``capacity_factor`` x the average rows a rank receives (:func:`budget_rows`
-  over the tokens of the whole group), or a given number of rows, or none (dropless: eager
-  only); under :func:`graphstash.dropless` dispatch ignores it;
+  over the tokens of the whole group), or a given number of rows, or a layer's adaptive
+  budget (:class:`~graphstash.moe.LayerBudget`: its factor now, and the rows the dispatch
+  asked for go back to it, NOTE [adaptive budgets] in ``budgets.py``), or none (dropless:
+  eager only); under :func:`graphstash.dropless` dispatch ignores it;
 - the router weights scale the activation rows (``handle.permuted_weights()`` into
   :func:`expert_mlp`), so :func:`combine` sums unweighted rows (``weighted=False``); the
   weighted combine with permuted weights would apply them twice;
@@ -24,6 +26,7 @@ import torch
 from .._checks import describe
 from .._mode import is_dropless
 from ._dispatch import as_exchange, budget_rows, combine, dispatch
+from .budgets import LayerBudget
 from .mlp import expert_mlp
 
 __all__ = ["moe_layer"]
@@ -31,7 +34,7 @@ __all__ = ["moe_layer"]
 
 def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
               w1: torch.Tensor, w2: torch.Tensor, num_experts: int, *, gated: bool = False,
-              capacity_factor: float | None = None, budget: int | None = None,
+              capacity_factor: float | None = None, budget: "int | LayerBudget | None" = None,
               pad_multiple: int | None = None, exchange=None, stash=False,
               name: str = "moe.experts", status=None, impl: str = "auto",
               activation="silu", interleaved: bool = False, bias1: torch.Tensor | None = None,
@@ -51,8 +54,10 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
         gated: SwiGLU (``silu(gate) * up``) or SiLU experts.
         capacity_factor: the budget as this multiple of the average rows a rank receives
             (:func:`budget_rows`); or
-        budget: the budget in rows; neither: dropless (buffers sized from the counts, eager
-            only). Not both.
+        budget: the budget in rows, or a :class:`~graphstash.moe.LayerBudget` (its factor
+            now; the rows this dispatch asked for are raised as its need, NOTE [adaptive
+            budgets]); neither: dropless (buffers sized from the counts, eager only). Not
+            both.
         pad_multiple: round each expert's rows up to this multiple.
         exchange: how rows reach the experts, as for :func:`dispatch` (NOTE [row exchange]):
             None (one device), :class:`~graphstash.moe.NcclChunks`, or
@@ -87,16 +92,22 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
                          f"capacity_factor={capacity_factor!r}, budget={budget!r})")
     manager = _stash_manager(stash)
     exchange = as_exchange(exchange, group, chunk_rows, caller="moe_layer")
-    if capacity_factor is not None:
+    layer_budget = budget if isinstance(budget, LayerBudget) else None
+    if capacity_factor is not None or layer_budget is not None:
         if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
             raise ValueError("topk_idx: expected an int32 or int64 [T, K] tensor, got "
                              + (describe(topk_idx) if isinstance(topk_idx, torch.Tensor)
                                 else type(topk_idx).__name__))
         world = exchange.world_size
         # budget_rows takes the tokens of the whole group: x holds this rank's share
-        budget = budget_rows(x.shape[0] * world, topk_idx.shape[1], num_experts,
-                             capacity_factor=capacity_factor, pad_multiple=pad_multiple,
-                             world_size=world)
+        sizing = dict(num_tokens=x.shape[0] * world, topk=topk_idx.shape[1],
+                      num_experts=num_experts, pad_multiple=pad_multiple, world_size=world)
+        if layer_budget is not None:
+            budget = layer_budget.rows(**sizing)
+        else:
+            budget = budget_rows(x.shape[0] * world, topk_idx.shape[1], num_experts,
+                                 capacity_factor=capacity_factor, pad_multiple=pad_multiple,
+                                 world_size=world)
     permuted, counts, handle = dispatch(x, topk_idx, topk_weight, num_experts, budget=budget,
                                         pad_multiple=pad_multiple, exchange=exchange,
                                         status=status)
@@ -113,12 +124,19 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
         return combine(post_norm(y), handle, weighted=True)
 
     if manager is None or not torch.is_grad_enabled() or is_dropless():
-        return experts()
-    from ..stash import stash_activations
+        out = experts()
+    else:
+        from ..stash import stash_activations
 
-    with stash_activations(handle.live_rows, manager=manager, name=name,
-                           max_tokens=handle.budget_rows, zero_tail=False):
-        return experts()
+        with stash_activations(handle.live_rows, manager=manager, name=name,
+                               max_tokens=handle.budget_rows, zero_tail=False):
+            out = experts()
+    if layer_budget is not None:
+        # the rows asked for go back to the layer's budget; a transport given as it is
+        # cannot grow, so its region bounds the budget (NOTE [budgets under torch.compile])
+        layer_budget.record(handle.plan.demand_rows, status, rows=budget,
+                            max_rows=getattr(exchange, "capacity_rows", None), **sizing)
+    return out
 
 
 def _stash_manager(stash):

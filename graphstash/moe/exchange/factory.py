@@ -54,7 +54,7 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
                   num_experts: int | None = None, capacity_factor: float = 1.25,
                   pad_multiple: int | None = None, num_tokens: int | None = None,
                   chunk_rows: int | None = None, owner: str = "make_exchange",
-                  timeout_s: float = DEFAULT_TIMEOUT_S):
+                  timeout_s: float = DEFAULT_TIMEOUT_S, budgets=None):
     """The one factory of row exchanges (NOTE [row exchange] in ``graphstash/moe/_dispatch.py``),
     for ``exchange=`` of :func:`~graphstash.moe.dispatch` and :func:`~graphstash.moe.moe_layer`:
 
@@ -64,8 +64,9 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
       ``chunk_rows`` rows (None: the budget's);
     - ``group`` and ``kind="live rows"``: a :class:`GroupExchange`, which builds the live-row
       transport at the first forward, sized by :func:`receive_rows` from ``topk``,
-      ``num_experts``, ``capacity_factor``, ``pad_multiple`` and ``num_tokens``, and falls
-      back to NCCL's chunks where none can be built.
+      ``num_experts``, ``capacity_factor`` (or the largest factor of ``budgets``, a
+      :class:`~graphstash.moe.DispatchBudgets`, once a layer grew past it), ``pad_multiple``
+      and ``num_tokens``, and falls back to NCCL's chunks where none can be built.
 
     Example: ``exchange = make_exchange(group, topk=8, num_experts=128, capacity_factor=1.25)``.
     """
@@ -89,7 +90,8 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
                          "pass both")
     return GroupExchange(group, topk=topk, num_experts=num_experts,
                          capacity_factor=capacity_factor, pad_multiple=pad_multiple,
-                         num_tokens=num_tokens, owner=owner, timeout_s=timeout_s)
+                         num_tokens=num_tokens, owner=owner, timeout_s=timeout_s,
+                         budgets=budgets)
 
 
 class GroupExchange:
@@ -104,11 +106,15 @@ class GroupExchange:
             that builds the transport.
         owner: who builds it, for warnings (``"MoEModel"``, ``"configure"``).
         timeout_s: the transport's wait for a peer.
+        budgets: the :class:`~graphstash.moe.DispatchBudgets` of the layers it serves, or
+            None: the region holds the largest of their factors (NOTE [adaptive budgets]),
+            and is built again, larger, at the first eager forward after one grew past it.
     """
 
     def __init__(self, group, *, topk: int, num_experts: int, capacity_factor: float,
                  pad_multiple: int | None = None, num_tokens: int | None = None,
-                 owner: str = "the exchange", timeout_s: float = DEFAULT_TIMEOUT_S):
+                 owner: str = "the exchange", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 budgets=None):
         import torch.distributed as dist
 
         require_positive_int("topk", topk)
@@ -123,6 +129,8 @@ class GroupExchange:
         self.num_tokens = num_tokens
         self.owner = owner
         self.timeout_s = timeout_s
+        self.budgets = budgets
+        self._tokens: int | None = None             # the tokens the transport was sized for
         self.transport: Transport | None = None
         self._live: LiveRows | None = None
         self._chunks: NcclChunks | None = None
@@ -143,7 +151,8 @@ class GroupExchange:
         or rebuilt here if it does not fit them (a collective); None: NCCL chunks."""
         row_bytes = x.shape[1] * x.element_size()
         t = self.transport
-        if t is not None and not t.closed and t.device == x.device and t.row_bytes >= row_bytes:
+        if t is not None and not t.closed and t.device == x.device and \
+                t.row_bytes >= row_bytes and t.capacity_rows >= self._rows(self._tokens):
             return t
         if self._unavailable == (x.device, row_bytes):
             return None
@@ -173,12 +182,22 @@ class GroupExchange:
             seen = [None] * self.world_size
             dist.all_gather_object(seen, int(x.shape[0]), group=self.group)
             tokens = max(max(seen), 1)
-        rows = receive_rows(tokens, self.topk, self.num_experts, world_size=self.world_size,
-                            capacity_factor=self.capacity_factor,
-                            pad_multiple=self.pad_multiple)
+        self._tokens = tokens
+        rows = self._rows(tokens)
         return build_transport(self.group, capacity_rows=rows, row_bytes=row_bytes,
                                max_experts=self.num_experts, device=x.device,
                                timeout_s=self.timeout_s)
+
+    def _rows(self, tokens: int | None) -> int:
+        """The rows a region must hold for ``tokens`` per rank at the largest factor in use
+        (0 before the first build)."""
+        if tokens is None:
+            return 0
+        factor = self.capacity_factor
+        if self.budgets is not None:
+            factor = max(factor, self.budgets.largest_factor())
+        return receive_rows(tokens, self.topk, self.num_experts, world_size=self.world_size,
+                            capacity_factor=factor, pad_multiple=self.pad_multiple)
 
     def for_tokens(self, x: torch.Tensor):
         """The exchange that moves tokens like ``x`` (``[T, hidden]``): the

@@ -50,6 +50,12 @@ class LiveRows:
     def rank(self) -> int:
         return self.transport.rank
 
+    @property
+    def capacity_rows(self) -> int:
+        """The most rows a rank receives: the transport's region (a budget past it is refused;
+        an adaptive budget stops growing there, NOTE [adaptive budgets])."""
+        return self.transport.capacity_rows
+
     def for_tokens(self, x: torch.Tensor) -> "LiveRows":
         """Itself, after a ValueError naming ``exchange`` or ``x`` if ``x`` cannot travel
         through it."""
