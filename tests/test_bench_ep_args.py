@@ -183,7 +183,8 @@ def test_the_table_gives_ratios_and_says_what_did_not_run(capsys):
     def row(ms, sent):
         return {"step_ms": ms, "peak_mib": 100.0, "activation_peak_mib": 40.0,
                 "sent_mib": sent, "local_mib": 1.0, "meta_kib": 2.0, "over_budget": 1,
-                "overflow": 0, "reruns": 1, "calls": 23, "stashed_groups": 0, "groups": 0,
+                "overflow": 0, "reruns": 1, "recaptures": 1, "budgets": "1.25-1.9",
+                "calls": 23, "stashed_groups": 0, "groups": 0,
                 "bytes_counted": "x", "exchange": "x"}
 
     results = {"eager peer": row(20.0, 10.0), "nccl chunks": {"error": "not available: x"},
@@ -199,7 +200,7 @@ def test_the_table_gives_ratios_and_says_what_did_not_run(capsys):
     moe_ep.print_table("mixtral-8x7b", entry)
     out = capsys.readouterr().out
     assert "nccl chunks         not available: x" in out
-    assert "1, 0, 1 of 23 calls" in out
+    assert "1, 0, 1, 1 of 23 calls" in out and "1.25-1.9" in out
     assert "time slice" in out                       # processes sharing a GPU: said so
     lines = [line for line in out.splitlines() if line.startswith("live rows")]
     assert lines and "0.500" in lines[0] and "0.625" in lines[0] and "1.050" in lines[0]

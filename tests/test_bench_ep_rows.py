@@ -44,9 +44,11 @@ def _routing_of(model):
     return seen, handles
 
 
-def _run_row(row, rank, world, batches):
+def _run_row(row, rank, world, batches, own=False):
     """Build ``row`` as the bench does, run :data:`CALLS` steps; per call the loss, every
-    gradient, the routing of each layer, and the bytes the bench would report."""
+    gradient, the routing of each layer, and the bytes the bench would report. ``own``: the
+    live rows as the bench builds them under torchrun, README's ``MoEModel(config, group=g)``
+    building its own transport (no bytes counted)."""
     import torch.distributed as dist
 
     from graphstash.moe.exchange import build_gloo_transport
@@ -56,10 +58,13 @@ def _run_row(row, rank, world, batches):
     from graphstash.tools.bench.moe import count_exchange
     from graphstash.tools.training import quiet_cpu_graph_step
 
+    import gc
+
+    gc.collect()          # the previous row's model: its layers' step peaks are freed with it
     config = _config()
     group = dist.group.WORLD
     transport = None
-    if row in TRANSPORT_ROWS:
+    if row in TRANSPORT_ROWS and not own:
         transport = build_gloo_transport(**transport_sizes(row, config, world, torch.float32))
     stash = StashConfig(policy="always", min_tensor_bytes=0, page_size=4)
     run = build_row(row, config, torch.device("cpu"), torch.float32, world_size=world,
@@ -89,6 +94,8 @@ def _run_row(row, rank, world, batches):
     if run.graph is not None:
         stats = run.graph.stats
         assert (stats.over_budget, stats.eager_reruns, stats.overflows) == (0, 0, 0), stats
+    if own:
+        assert run.model.exchange_kind == "live rows over gloo", run.model.exchange_kind
     if row == "live rows + stash":
         assert sum(r["stashed"] for r in run.stash_manager.plan()) > 0, "nothing was stashed"
     if transport is not None:
@@ -122,11 +129,12 @@ def _bench_rows_ranks(rank: int, world: int) -> None:
                            dtype=torch.float32)
     got = {row: _run_row(row, rank, world, batches)
            for row in ("worst-case buffers", "live rows", "live rows + stash", "eager peer")}
+    got["live rows, built by the model"] = _run_row("live rows", rank, world, batches, own=True)
     worst = got["worst-case buffers"]
     for call in worst:                      # the reference gradients reach every parameter
         for name, g in call["grads"].items():
             assert float(g.abs().max()) > 1e-4, f"rank {rank}: gradient of {name} is ~0"
-    for row in ("live rows", "live rows + stash"):
+    for row in ("live rows", "live rows + stash", "live rows, built by the model"):
         for i, (a, b) in enumerate(zip(got[row], worst)):
             assert torch.equal(a["loss"], b["loss"]), (row, i, a["loss"], b["loss"])
             for name, g in a["grads"].items():
@@ -141,7 +149,8 @@ def _bench_rows_ranks(rank: int, world: int) -> None:
 
     # bytes per step: what the bench reports against the live rows of every layer
     meta_per_layer = 4 * world * (X.X_HEADER + E) + 8 * (8 * world)   # counts; 8 barriers
-    meta_flags = 4 * world * 3 + 8 * world                            # the step's flag sum
+    # the step's flags (summed) and each layer's need (its maximum: NOTE [step peaks])
+    meta_flags = 4 * world * (3 + LAYERS) + 8 * world
     every_call = [_live_counts(call["routing"], rank, world) for call in worst]
     for i, counts in enumerate(every_call):
         home = sum(m for m, _, _ in counts)

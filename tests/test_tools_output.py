@@ -130,8 +130,9 @@ def test_markdown_tables_carry_their_source_line():
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     head = lines.index("| mode | step ms | min-max ms | /best | peak MiB | act MiB | act/best "
-                       "| sent MiB | flags (over budget, overflow, reruns) |")
-    assert lines[head + 1] == "|---|---:|---:|---:|---:|---:|---:|---:|---|"
+                       "| sent MiB | flags (over budget, overflow, reruns, recaptures) "
+                       "| budgets |")
+    assert lines[head + 1] == "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"
     assert lines[head + 2].startswith("| plain eager | ")
     assert lines[head + 3].startswith("| eager dropless | ")
     assert lines[head + 4] == "" and lines[head + 5].startswith("source: graphstash ")

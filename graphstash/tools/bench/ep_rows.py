@@ -18,9 +18,15 @@ ranks, and the buffers they land in, change:
 - ``live rows``: the live-row exchange sized by ``--capacity-factor``, under ``graph_step``;
 - ``live rows + stash``: the same with ``graph_step(stash=...)``.
 
-The transport rows register their transport as the step's flag reducer, so the over-budget
-decision is shared through the exchange itself (no NCCL; the only way on ranks sharing one
-GPU). Bytes per step: the transport rows read the device counters
+The budgets of ``live rows`` and ``live rows + stash`` adapt to the routing (NOTE [adaptive
+budgets] in ``graphstash/moe/budgets.py``). Where the ranks have a process group and the
+transport is chosen automatically (torchrun), those two rows run the model as README shows it,
+``MoEModel(config, group=g)``: the exchange is built at the first forward and built again,
+larger, when a budget outgrows it; the flags and needs travel through the group. Elsewhere
+(ranks sharing one GPU, in-process ranks, a ``--transport`` named) the row is given its
+transport, sized by ``--capacity-factor``, whose region bounds how far a budget grows, and
+registers it as the step's flag reducer, so the over-budget decision is shared through the exchange itself (no NCCL; the
+only way on ranks sharing one GPU). Bytes per step: the transport rows read the device counters
 (:meth:`~graphstash.moe.exchange.Transport.counters`); the peers count what their collectives
 send from the split sizes (:func:`graphstash.tools.bench.moe.count_exchange`).
 """
@@ -84,9 +90,10 @@ def row_config(row: str, config: MoEConfig, world_size: int) -> MoEConfig:
 
 
 def transport_sizes(row: str, config: MoEConfig, world_size: int, dtype: torch.dtype) -> dict:
-    """The keyword sizes of the transport a transport row builds (``capacity_rows``,
+    """The keyword sizes of the transport a transport row is given (``capacity_rows``,
     ``row_bytes``, ``max_experts``): room for the row's budget and for each rank's
-    ``tokens x topk`` pairs (the combine sends every pair back), rows of ``dtype``."""
+    ``tokens x topk`` pairs (the combine sends every pair back), rows of ``dtype``. A budget
+    that adapts (NOTE [adaptive budgets]) grows no further than this region."""
     if row not in TRANSPORT_ROWS:
         raise ValueError(f"row: expected one of {TRANSPORT_ROWS}, got {row!r}")
     c = row_config(row, config, world_size)
@@ -126,10 +133,11 @@ def build_row(row: str, config: MoEConfig, device: torch.device, dtype: torch.dt
     """
     if row not in ROWS:
         raise ValueError(f"row: expected one of {ROWS}, got {row!r}")
-    if row in TRANSPORT_ROWS:
+    built_here = row in TRANSPORT_ROWS and transport is None and group is not None
+    if row in TRANSPORT_ROWS and not built_here:
         if transport is None:
             raise ValueError(f"transport: the {row!r} row exchanges live rows through a "
-                             "transport; got None")
+                             "transport or builds one over group; got neither")
         if transport.world_size != world_size:
             raise ValueError(f"transport: built for {transport.world_size} ranks, the row runs "
                              f"{world_size}")
@@ -138,10 +146,13 @@ def build_row(row: str, config: MoEConfig, device: torch.device, dtype: torch.dt
                          "collectives and needs their process group; got None")
     on_gpu = device.type == "cuda"
     graphed = row in GRAPHED
+    if built_here:                    # README's path: the exchange built at the first forward
+        exchange = "auto"
+    else:
+        exchange = transport if row in TRANSPORT_ROWS else None
     model = MoEModel(row_config(row, config, world_size), mode=MODEL_MODE[row],
-                     group=None if row in TRANSPORT_ROWS else group,
-                     exchange=transport if row in TRANSPORT_ROWS else None,
-                     seed=seed, device=device, dtype=dtype)
+                     group=None if row in TRANSPORT_ROWS and not built_here else group,
+                     exchange=exchange, seed=seed, device=device, dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=on_gpu or None,
                             capturable=on_gpu and graphed)
 

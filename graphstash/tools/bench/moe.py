@@ -231,7 +231,8 @@ def run_mode(mode: str, config: MoEConfig, group, device, batches: list, steps: 
     s = spread(samples)
     figures = [statistics.median(samples), sent[0] / 2**20,
                float(stats.over_budget if stats else 0), float(stats.overflows if stats else 0),
-               float(stats.eager_reruns if stats else 0), s["min"], s["q1"], s["q3"], s["max"]]
+               float(stats.eager_reruns if stats else 0), s["min"], s["q1"], s["q3"], s["max"],
+               float(stats.budget_changes if stats else 0)]
     if peak is not None:
         figures += [peak / 2**20, (peak - static) / 2**20]
     if group is not None:
@@ -240,12 +241,16 @@ def run_mode(mode: str, config: MoEConfig, group, device, batches: list, steps: 
         figures = figures.tolist()
     step_ms, sent_mib, over_budget, overflow, reruns = figures[:5]
     s.update(median=step_ms, min=figures[5], q1=figures[6], q3=figures[7], max=figures[8])
-    peak_mib, act_mib = figures[9:] if peak is not None else (None, None)
+    recaptures = int(figures[9])
+    peak_mib, act_mib = figures[10:] if peak is not None else (None, None)
+    budgets = run_.model.budgets
     run_.release()
     del run_, one, step
     return {"step_ms": step_ms, "step_ms_spread": s, "peak_mib": peak_mib,
             "activation_peak_mib": act_mib, "exchanged_mib": sent_mib,
             "over_budget": int(over_budget), "overflow": int(overflow), "reruns": int(reruns),
+            "recaptures": recaptures,
+            "budgets": budgets.factor_range() if budgets is not None else None,
             "stashed_groups": sum(r["stashed"] for r in plan), "groups": len(plan),
             "kernels": kernels}
 
@@ -275,7 +280,7 @@ COLUMNS = (Column("mode", width=25), Column("step ms", ".2f", width=8),
            Column("min-max ms", width=13, align="right"), Column("/best", ".3f", width=6),
            Column("peak MiB", ".0f", width=8), Column("act MiB", ".0f", width=7),
            Column("act/best", ".2f", width=8), Column("sent MiB", ".1f", width=8),
-           Column("flags (over budget, overflow, reruns)"))
+           Column("flags (over budget, overflow, reruns, recaptures)"), Column("budgets"))
 PROFILE_COLUMNS = (Column("mode", width=25), Column("step ms", ".2f", width=8),
                    Column("kernel ms", ".2f", width=9), Column("kernels", ".0f", width=7)) + \
     tuple(Column(g, width=max(6, len(g)), align="right") for g in GROUPS)
@@ -289,11 +294,11 @@ def _title(name: str, config: MoEConfig, world: int, device_name: str) -> str:
 
 
 def _row(mode: str, r: dict) -> list:
-    flags = f"{r['over_budget']}, {r['overflow']}, {r['reruns']}" + (
+    flags = f"{r['over_budget']}, {r['overflow']}, {r['reruns']}, {r.get('recaptures', 0)}" + (
         f"; stashed {r['stashed_groups']}/{r['groups']} groups" if r["groups"] else "")
     return [mode, r["step_ms"], range_text(r.get("step_ms_spread")),
             r.get("ratio_to_best_peer"), r["peak_mib"], r["activation_peak_mib"],
-            r.get("activation_ratio_to_best_peer"), r["exchanged_mib"], flags]
+            r.get("activation_ratio_to_best_peer"), r["exchanged_mib"], flags, r.get("budgets")]
 
 
 def _share(value) -> str | None:

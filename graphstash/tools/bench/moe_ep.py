@@ -334,7 +334,11 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
     base = _allocated(device)
     ranks.sync()                       # in-process: every rank read it before any allocates
     transport = None
-    if row in TRANSPORT_ROWS:
+    # README's path where the ranks have a group and the transport is chosen automatically:
+    # the model builds its exchange, and builds it again when a budget outgrows it
+    builds_own = (row in ("live rows", "live rows + stash") and ranks.peer_group is not None
+                  and ranks.transport_kind == "auto")
+    if row in TRANSPORT_ROWS and not builds_own:
         try:
             transport = ranks.make_transport(transport_sizes(row, config, W, DTYPE))
         except ValueError as exc:      # no transport by peer addresses here (the same on all)
@@ -357,6 +361,8 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
     ranks.before_capture()             # NOTE [steady-state peak] in moe.py
     run.step(*batches[warmup % len(batches)])            # graphed rows: the capture
     tick()
+    if builds_own:
+        transport = run.model.exchange
     before = transport.counters() if transport is not None else None
     samples = []
     for i in range(steps):
@@ -364,6 +370,8 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
         samples.append(_time_ms(device, functools.partial(run.step, *batch)))
         tick()
     after = transport.counters() if transport is not None else None
+    if builds_own and run.model.exchange is not transport:     # rebuilt while timed
+        before = after = None
     kernels = None
     if profile:                        # every rank, in step: the exchange waits for the peers
         ranks.sync()
@@ -377,9 +385,14 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
     share = W if ranks.memory_shared else 1
     stats = run.graph.stats if run.graph is not None else None
     plan = run.stash_manager.plan() if row == "live rows + stash" else []
-    if transport is not None:
+    budgets = run.model.budgets
+    budgets = budgets.factor_range() if budgets is not None else None
+    if transport is not None and before is not None:
         moved = transport_bytes(before, after, steps)
         counted = "device counters, timed steps"
+    elif transport is not None:
+        moved = {"sent": float("nan"), "local": float("nan"), "meta": float("nan")}
+        counted = "not counted: the exchange was rebuilt during the timed steps"
     else:
         moved = {"sent": sent[0] / warmup, "local": 0.0, "meta": 0.0}
         counted = "split sizes, warmup steps"
@@ -395,7 +408,8 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
         statistics.median(samples), peak / share / MIB, (peak - static) / share / MIB,
         moved["sent"] / MIB, moved["local"] / MIB, moved["meta"] / 1024,
         stats.over_budget if stats else 0, stats.overflows if stats else 0,
-        stats.eager_reruns if stats else 0, s["min"], s["q1"], s["q3"], s["max"]])
+        stats.eager_reruns if stats else 0, s["min"], s["q1"], s["q3"], s["max"],
+        stats.budget_changes if stats else 0])
     (step_ms, peak_mib, act_mib, sent_mib, local_mib, meta_kib, over_budget, overflow,
      reruns) = figures[:9]
     if device.type != "cuda":          # no memory statistics on the CPU
@@ -405,6 +419,7 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
             "activation_peak_mib": act_mib, "sent_mib": sent_mib, "local_mib": local_mib,
             "meta_kib": meta_kib, "bytes_counted": counted, "exchange": exchange,
             "over_budget": int(over_budget), "overflow": int(overflow), "reruns": int(reruns),
+            "recaptures": int(figures[13]), "budgets": budgets,
             "calls": calls, "stashed_groups": sum(r["stashed"] for r in plan),
             "groups": len(plan), "kernels": kernels}
 
@@ -428,7 +443,8 @@ COLUMNS = (Column("row", width=18), Column("step ms", ".2f", width=8),
            Column("/worst", ".3f", width=6), Column("peak MiB", ".0f", width=8),
            Column("act MiB", ".0f", width=7), Column("sent MiB", ".1f", width=8),
            Column("/peer", ".3f", width=6), Column("meta KiB", ".1f", width=8),
-           Column("flags (over budget, overflow, reruns)"))
+           Column("flags (over budget, overflow, reruns, recaptures)"),
+           Column("budgets"))
 PROFILE_COLUMNS = (Column("row", width=18), Column("rank", width=4, align="right"),
                    Column("kernel ms", ".2f", width=9), Column("kernels", ".0f", width=7)) + \
     tuple(Column(g, width=max(6, len(g)), align="right") for g in GROUPS)
@@ -450,7 +466,8 @@ def table_row(row: str, r: dict) -> list:
     return [row, r["step_ms"], range_text(r.get("step_ms_spread")), r.get("vs_eager_peer"),
             r.get("vs_worst_case"), r["peak_mib"], r["activation_peak_mib"], r["sent_mib"],
             r.get("sent_vs_eager_peer"), r["meta_kib"],
-            f"{r['over_budget']}, {r['overflow']}, {r['reruns']} of {r['calls']} calls{stashed}"]
+            f"{r['over_budget']}, {r['overflow']}, {r['reruns']}, {r.get('recaptures', 0)} of "
+            f"{r['calls']} calls{stashed}", r.get("budgets")]
 
 
 def notes(entry: dict) -> list:
