@@ -43,7 +43,7 @@ FLAG_NAMES = ("overflow", "host_spill", "over_budget")
 assert (L.SS_OVERFLOW, L.SS_HOST_SPILL, L.SS_OVER_BUDGET) == (0, 1, 2)   # one contiguous slice
 _INT32_MAX = 2**31 - 1
 # the most step peaks a process holds at once (NOTE [step peaks]); with the flags they must fit
-# one exchange of a transport's flags (X_MAX_PEAKS in graphstash/_exchange_layout.py)
+# one exchange of a transport's flags (X_MAX_PEAKS in graphstash/moe/exchange/layout.py)
 MAX_STEP_PEAKS = 1024
 
 

@@ -1,5 +1,5 @@
 // Layout of the expert-parallel exchange's shared regions, peer table and private state.
-// graphstash/_exchange_layout.py mirrors these numbers; tests/test_exchange.py checks that
+// graphstash/moe/exchange/layout.py mirrors these numbers; tests/test_exchange.py checks that
 // they agree.
 #pragma once
 

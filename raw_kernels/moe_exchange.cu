@@ -4,7 +4,7 @@
 // launch has a fixed shape, and only the live rows are written.
 //
 // Every rank owns a shared region (fields and sizes in gs_exchange.cuh and
-// graphstash/_exchange_layout.py) and a private int64 state; ``table`` (int64 [F][W], on
+// graphstash/moe/exchange/layout.py) and a private int64 state; ``table`` (int64 [F][W], on
 // the device) holds the address of each field of each rank's region. A dispatch is:
 //   gs_xchg_counts  push this rank's per-expert counts into every region, barrier, then derive
 //                   the permuted layout of every receiver from the W x E counts (prefix over

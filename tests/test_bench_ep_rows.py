@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphstash import _exchange_layout as X
+from graphstash.moe.exchange import layout as X
 
 T, H, E, K, LAYERS, CALLS = 12, 16, 4, 2, 2, 3
 ROW_BYTES, WEIGHT_BYTES = H * 4, 4              # float32 rows and router weights

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from graphstash import _exchange_layout as X
+from graphstash.moe.exchange import layout as X
 from graphstash import _layout as L
 from graphstash.moe._routing import plan_local
 from graphstash.moe.backend import REFERENCE

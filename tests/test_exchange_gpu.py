@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from graphstash import _exchange_layout as X
+from graphstash.moe.exchange import layout as X
 from graphstash import _layout as L
 
 from _exchange_cases import (H, K, compare, expert_weights, fitting_budget, graph_step_case,

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from graphstash import _exchange_layout as X  # noqa: E402
+from graphstash.moe.exchange import layout as X  # noqa: E402
 
 CASES = [  # (live rows, token rows, row bytes): Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek widths
     (45875, 65536, 4096),

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from graphstash import _exchange_layout as X  # noqa: E402
+from graphstash.moe.exchange import layout as X  # noqa: E402
 
 
 def _workload(transport, rows: int, row_bytes: int, device):

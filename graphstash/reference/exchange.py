@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import _layout as L
-from .. import _exchange_layout as X
+from ..moe.exchange import layout as X
 
 _INT32_MAX = 2**31 - 1
 _COUNT_MAX = 2**30

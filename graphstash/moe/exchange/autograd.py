@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import _exchange_layout as X
+from . import layout as X
 from .plan import ExchangePlan
 
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ... import _exchange_layout as X
+from . import layout as X
 from ...reference import exchange as ref
 from .transport import DEFAULT_TIMEOUT_S, Transport, check_sizes
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import _exchange_layout as X
+from . import layout as X
 from ..._checks import forbid_capture, normalize_device
 from .transport import DEFAULT_TIMEOUT_S, PeerTransport, build_table, check_sizes
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import _exchange_layout as X
+from . import layout as X
 from ..._checks import forbid_capture, normalize_device, require_positive_int
 from .transport import DEFAULT_TIMEOUT_S, PeerTransport, build_table, check_sizes
 

@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from ... import _exchange_layout as X
+from . import layout as X
 from ... import _layout as L
 from ..._checks import forbid_capture
 from .._routing import plan_local

@@ -8,7 +8,7 @@ NOTE [exchange over symmetric memory]: ``symm_mem.empty`` allocates the region a
 allocation). Both happen before any capture, as PyTorch's contract for symmetric memory asks.
 NVLink multicast stays off (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` unless the caller set it):
 nothing here uses multimem. The signal pad is not used: signals, flags and counts live in
-the region (``graphstash/_exchange_layout.py``), so every transport shares one layout. Torch
+the region (``graphstash/moe/exchange/layout.py``), so every transport shares one layout. Torch
 refuses two ranks on one device here ("detected allocations from overlapping devices"):
 processes sharing a GPU take :func:`~graphstash.moe.exchange.build_ipc_transport`.
 """
@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from ... import _exchange_layout as X
+from . import layout as X
 from ..._checks import forbid_capture, normalize_device
 from ...errors import ExchangeError
 from .transport import DEFAULT_TIMEOUT_S, PeerTransport, build_table, check_sizes

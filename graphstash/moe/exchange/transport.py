@@ -2,7 +2,7 @@
 every rank's addresses, and the few operations every exchange is built from (a barrier, the
 count exchange, the row push, the flag sum).
 
-NOTE [exchange transport]: each rank owns one region (``graphstash/_exchange_layout.py``):
+NOTE [exchange transport]: each rank owns one region (``graphstash/moe/exchange/layout.py``):
 signals, flag slots, count rows, and room for ``capacity_rows`` received rows and their router
 weights. ``table`` (int64 ``[XF_FIELDS, W]`` on the device) holds the address of each field of
 every rank's region, so a kernel writes into a peer by address, inside a CUDA graph, with no
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import _exchange_layout as X
+from . import layout as X
 from ..._checks import describe, forbid_capture, require_positive_int, require_tensor
 from ...errors import ExchangeError
 
@@ -53,7 +53,7 @@ class Transport:
         kind: ``"symmetric"``, ``"ipc"``, ``"local"`` or ``"gloo"``.
         rank, world_size: this rank and the ranks of the exchange.
         device: where the region, the table and the state live.
-        layout: the :class:`~graphstash._exchange_layout.RegionLayout` of every region.
+        layout: the :class:`~graphstash.moe.exchange.layout.RegionLayout` of every region.
         region: uint8 ``[layout.nbytes]``, this rank's region (others write into it).
         table: int64 ``[XF_FIELDS, W]`` every rank's field addresses (zeros for ``"gloo"``).
         state: int64 ``[XS_SIZE]`` private: barrier epoch, error, bytes moved.
