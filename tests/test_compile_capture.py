@@ -210,39 +210,39 @@ def test_the_dropless_rerun_runs_uncompiled_and_leaves_the_compiled_code_alone(g
     Traced, it broke the graph inside dispatch and dynamo skipped the model's compiled frame
     for good, so the next call compiled the inner functions one by one (refused: measured on
     the code before). It runs uncompiled, and the calls after it compile nothing."""
+    model, backend, step, tokens = _over_budget_compiled_step(gen, adapt=False)
+    step(tokens())                          # the budget stays too small: every step reruns
+    graphs = backend.graphs
+    for _ in range(2):
+        step(tokens())
+    assert step.stats.eager_reruns == 3 and step.stats.steps == 3
+    assert backend.graphs == graphs == 1
+
+
+def _over_budget_compiled_step(gen, *, adapt: bool):
+    """A one-block model compiled (counting its graphs) whose budget (capacity factor 0.5)
+    every step goes over, its graph_step (warmup 1), and a maker of its input tokens."""
     config = MoEConfig(hidden=16, ffn=24, num_experts=4, topk=2, layers=1, num_tokens=40,
-                       capacity_factor=0.5, gated=True)        # every step over budget
+                       capacity_factor=0.5, gated=True)
     model = MoEModel(config, mode="budget", seed=3)
-    model.budgets.adapt = False              # the budget stays too small: every step reruns
+    model.budgets.adapt = adapt
     backend = CountingBackend()
     compiled = torch.compile(model, backend=backend)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     proj = torch.randn(config.num_tokens, config.hidden, generator=gen)
     step = graphstash.graph_step(lambda x: (compiled(x) * proj).sum().backward(),
                                  optimizer=opt, warmup=1)
-    step(torch.randn(config.num_tokens, config.hidden, generator=gen))
-    graphs = backend.graphs
-    for _ in range(2):
-        step(torch.randn(config.num_tokens, config.hidden, generator=gen))
-    assert step.stats.eager_reruns == 3 and step.stats.steps == 3
-    assert backend.graphs == graphs == 1
+    return model, backend, step, lambda: torch.randn(config.num_tokens, config.hidden,
+                                                     generator=gen)
 
 
 def test_a_grown_budget_recompiles_once_in_an_eager_call(gen):
     """The budget grows after the first over-budget step (NOTE [adaptive budgets]); the
     compiled model recompiles for it once, in the eager call graph_step runs before the next
     capture (NOTE [budgets the step adapts]), and nothing reruns or compiles after that."""
-    config = MoEConfig(hidden=16, ffn=24, num_experts=4, topk=2, layers=1, num_tokens=40,
-                       capacity_factor=0.5, gated=True)
-    model = MoEModel(config, mode="budget", seed=3)
-    backend = CountingBackend()
-    compiled = torch.compile(model, backend=backend)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    proj = torch.randn(config.num_tokens, config.hidden, generator=gen)
-    step = graphstash.graph_step(lambda x: (compiled(x) * proj).sum().backward(),
-                                 optimizer=opt, warmup=1)
+    model, backend, step, tokens = _over_budget_compiled_step(gen, adapt=True)
     for _ in range(6):
-        step(torch.randn(config.num_tokens, config.hidden, generator=gen))
+        step(tokens())
     assert step.stats.eager_reruns == 1 and step.stats.steps == 6, step.stats
     assert model.budgets.factor("blocks.0") > 0.5
     assert backend.graphs == 2            # the warmup's, and the grown budget's
