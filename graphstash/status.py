@@ -227,8 +227,7 @@ class StepStatus:
         marks); capturable."""
         with torch.no_grad():
             self.flags().zero_()
-            if _live_slots():
-                self.step_peaks().fill_(-1)
+            self._peaks.fill_(-1)
 
     def clear(self) -> None:
         """Zero the flags and the high-water marks, unraise the step peaks; capturable."""
@@ -244,8 +243,10 @@ class StepStatus:
         return self._peaks
 
     def step_peaks(self) -> torch.Tensor:
-        """int32 ``[n]`` view of the slots up to the highest one claimed in the process."""
-        return self._peaks[:_live_slots()]
+        """int32 ``[MAX_STEP_PEAKS]``: every slot, claimed or not, so that what a step reduces
+        and copies never changes with the objects other code makes or frees (a count of the
+        claimed slots would recapture a step whenever an unrelated model came or went)."""
+        return self._peaks
 
     @property
     def peak_owners(self) -> list:
@@ -263,10 +264,12 @@ class StepStatus:
         """``[(owner, {key: value})]`` of the peaks raised in ``values`` (the reduced
         :meth:`step_peaks` on the host, slot order; -1: not raised this step)."""
         by_owner: dict = {}
-        for slot, value in enumerate(values):
+        values = list(values)
+        for slot in range(min(len(values), len(_SLOTS))):
+            value = values[slot]
             if value < 0:
                 continue
-            claim = _SLOTS[slot] if slot < len(_SLOTS) else None
+            claim = _SLOTS[slot]
             owner = claim[0]() if claim is not None else None
             if owner is not None:
                 by_owner.setdefault(id(owner), (owner, {}))[1][claim[1]] = int(value)
@@ -329,9 +332,9 @@ class StepStatus:
 
     def reduced_flags(self, *, distributed: bool | str = "auto", process_group=None
                       ) -> torch.Tensor:
-        """int32 ``[3 + n]`` on the device: indicators (0/1) of overflow, host spill and over
-        budget, summed over the ranks (NOTE [flags across ranks]), then the ``n`` registered
-        step peaks, their maximum over the ranks (NOTE [step peaks]). Capturable, no host
+        """int32 ``[3 + MAX_STEP_PEAKS]`` on the device: indicators (0/1) of overflow, host
+        spill and over budget, summed over the ranks (NOTE [flags across ranks]), then the step
+        peaks, their maximum over the ranks (NOTE [step peaks]; -1 where none was raised). Capturable, no host
         read.
 
         Args:
@@ -341,23 +344,21 @@ class StepStatus:
                 (ValueError naming ``distributed`` otherwise). As ``graph_step`` takes it.
             process_group: the group ``all_reduce`` uses (default: the world).
         """
-        n = _live_slots()
-        out = torch.empty(3 + n, dtype=torch.int32, device=self.device)
+        out = torch.empty(3 + MAX_STEP_PEAKS, dtype=torch.int32, device=self.device)
         flags, peaks = out[:3], out[3:]
         flags.copy_(self.flags() != 0)                 # indicators, 0 / 1
-        if n:
-            peaks.copy_(self.step_peaks())
+        peaks.copy_(self._peaks)
         if distributed is False:
             return out
         import torch.distributed as dist
 
         on = dist.is_available() and dist.is_initialized()
         if self._reducer is not None:
-            if n and _takes_peaks(self._reducer):
+            if _takes_peaks(self._reducer):
                 self._reducer.all_reduce_flags_(flags, peaks=peaks)
                 return out
             self._reducer.all_reduce_flags_(flags)
-            if n and on:        # a reducer of flags only: the peaks through torch.distributed
+            if on:              # a reducer of flags only: the peaks through torch.distributed
                 dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=process_group)
             return out
         if distributed is True and not on:
@@ -365,8 +366,7 @@ class StepStatus:
                              "no FlagReducer is registered on the step's status")
         if on:
             dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=process_group)
-            if n:
-                dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=process_group)
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=process_group)
         return out
 
     # ---- the current step -------------------------------------------------------------
@@ -518,14 +518,6 @@ def _takes_peaks(reducer) -> bool:
     except (TypeError, ValueError):
         return False
     return "peaks" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def _live_slots() -> int:
-    """1 + the highest slot claimed (0: none)."""
-    n = len(_SLOTS)
-    while n and _SLOTS[n - 1] is None:
-        n -= 1
-    return n
 
 
 def claim_peak_slot(owner: PeakOwner, key) -> int:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from graphstash.moe.exchange import layout as X
+from graphstash.status import MAX_STEP_PEAKS
 
 T, H, E, K, LAYERS, CALLS = 12, 16, 4, 2, 2, 3
 ROW_BYTES, WEIGHT_BYTES = H * 4, 4              # float32 rows and router weights
@@ -58,9 +59,6 @@ def _run_row(row, rank, world, batches, own=False):
     from graphstash.tools.bench.moe import count_exchange
     from graphstash.tools.training import quiet_cpu_graph_step
 
-    import gc
-
-    gc.collect()          # the previous row's model: its layers' step peaks are freed with it
     config = _config()
     group = dist.group.WORLD
     transport = None
@@ -149,8 +147,8 @@ def _bench_rows_ranks(rank: int, world: int) -> None:
 
     # bytes per step: what the bench reports against the live rows of every layer
     meta_per_layer = 4 * world * (X.X_HEADER + E) + 8 * (8 * world)   # counts; 8 barriers
-    # the step's flags (summed) and each layer's need (its maximum: NOTE [step peaks])
-    meta_flags = 4 * world * (3 + LAYERS) + 8 * world
+    # the step's flags (summed) and its peaks (every slot, their maximum: NOTE [step peaks])
+    meta_flags = 4 * world * (3 + MAX_STEP_PEAKS) + 8 * world
     every_call = [_live_counts(call["routing"], rank, world) for call in worst]
     for i, counts in enumerate(every_call):
         home = sum(m for m, _, _ in counts)
