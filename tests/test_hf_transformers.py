@@ -425,6 +425,8 @@ def _ep_worker(rank, port, backend, seed):
     try:
         gst.register()
         _ep_case(rank, device, seed)
+        if not on_gpu:
+            _ep_adaptive_case(rank, seed)
         if on_gpu:
             from test_hf_transformers_gpu import ep_capture_case
 
@@ -451,6 +453,39 @@ def _ep_case(rank, device, seed):
     _ep_compare(ours, ref, names, rank, device, seed)
     exchange = gst.settings_of(ours.get_submodule(names[0])).exchange
     assert exchange.transport is not None and exchange.transport.device == device, exchange.kind
+
+
+def _ep_adaptive_case(rank, seed):
+    """Under expert parallelism each experts module's budget adapts (NOTE [adaptive budgets]):
+    from capacity factor 0.5 the first step goes over budget and reruns, the budgets grow, and
+    the steps after fit; the losses equal a model whose budget holds any routing."""
+    import warnings
+
+    import torch.distributed as dist
+
+    ref = tiny_model("qwen3_moe", seed, device=torch.device("cpu"))
+    losses, steps = [], []
+    for factor in (0.5, float(WORLD)):
+        model = twin(ref, gst.IMPLEMENTATION)
+        gst.configure(model, capacity_factor=factor, group=dist.group.WORLD)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def body(ids, model=model):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            return loss.detach()
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)     # no CUDA: eager steps
+            step = graphstash.graph_step(body, optimizer=opt)
+            gen = torch.Generator().manual_seed(seed + 7 + rank)
+            losses.append([float(step(batch(gen))) for _ in range(5)])
+        steps.append((step, gst.dispatch_budgets(model)))
+    (adaptive, budgets), (roomy, _) = steps
+    assert adaptive.stats.eager_reruns == 1 and roomy.stats.eager_reruns == 0, adaptive.stats
+    assert all(s["capacity_factor"] > 0.5 for s in budgets.stats()), budgets.table()
+    for a, b in zip(*losses):
+        assert abs(a - b) <= 1e-5 * abs(b), losses
 
 
 def _ep_compare(ours, ref, names, rank, device, seed):

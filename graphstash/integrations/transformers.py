@@ -18,8 +18,10 @@ Budgets (NOTE [experts budget]): on one GPU the dispatch buffer holds ``T * top_
 row a step can ask for, so it never drops a token (dropless by construction, whatever
 ``capacity_factor`` above 1 says; a factor below 1 gives a smaller buffer whose over-budget
 steps :func:`graphstash.graph_step` reruns dropless). With ``group=`` each rank receives
-``capacity_factor * T * top_k`` rows at most; a step that routes more to one rank raises the
-over-budget flag and the step reruns dropless, updating once.
+``capacity_factor * T * top_k`` rows at first; a step that routes more to one rank raises the
+over-budget flag and the step reruns dropless, updating once, and under ``graph_step`` the
+budgets of the experts modules that overflowed grow to what their routing needed (NOTE
+[adaptive budgets]; :func:`dispatch_budgets` gives them).
 
 Inside a :func:`graphstash.graph_step` the flag reaches the step by itself (NOTE [current step]
 in ``graphstash/status.py``); outside one (evaluation, ``generate``) a budget that dropped rows
@@ -64,8 +66,8 @@ from .._checks import describe, require_positive_int
 from ..errors import BackendUnavailableError
 from .hf_gates import ExpertsLayout, UnsupportedExperts, read_layout
 
-__all__ = ["IMPLEMENTATION", "ExpertsSettings", "configure", "experts_forward",
-           "experts_modules", "register", "settings_of"]
+__all__ = ["IMPLEMENTATION", "ExpertsSettings", "configure", "dispatch_budgets",
+           "experts_forward", "experts_modules", "register", "settings_of"]
 
 IMPLEMENTATION = "graphstash"
 MIN_VERSION = (5, 17)
@@ -94,6 +96,9 @@ _INSTALL_HINT = "pip install 'graphstash[hf]' (transformers>=5.17)"
 # budget_rows gives at capacity_factor 1) holds any routing, so a larger factor would only waste
 # memory and is capped at 1. Under expert parallelism a rank receives T * K rows on average over
 # W ranks, anywhere from 0 to W * T * K; capacity_factor sizes its buffer (W fits any routing).
+# There each experts module's budget adapts to what its routing needs (NOTE [adaptive budgets]
+# in graphstash/moe/budgets.py): configure makes one DispatchBudgets for the model, starting at
+# capacity_factor, and graph_step grows a module's budget after a step it overflowed.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +115,7 @@ class ExpertsSettings:
     first_expert: int = 0
     name: str = "experts"
     exchange: object = None          # NcclChunks, LiveRows or GroupExchange (None: one device)
+    budget: object = None            # LayerBudget under expert parallelism (NOTE [adaptive budgets])
 
 
 _DEFAULTS = ExpertsSettings()
@@ -151,6 +157,18 @@ def register() -> None:
     """
     _transformers_moe().ExpertsInterface.register(IMPLEMENTATION, experts_forward)
     _install_build_check()          # NOTE [refusal at build]
+
+
+def dispatch_budgets(model: nn.Module):
+    """The :class:`~graphstash.moe.DispatchBudgets` of ``model``'s experts modules under expert
+    parallelism (one layer per module, named as :func:`experts_modules` names it; NOTE
+    [adaptive budgets]), or None (one device, or not configured). ``.table()`` prints them;
+    ``state_dict()`` / ``load_state_dict()`` keep them with a checkpoint."""
+    for _, module in experts_modules(model):
+        budget = settings_of(module).budget
+        if budget is not None:
+            return budget.owner
+    return None
 
 
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -345,11 +363,15 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
     if num_tokens is not None:
         require_positive_int("num_tokens", num_tokens)
     row_exchange = None             # NOTE [row exchange] in graphstash/moe/_dispatch.py
+    budgets = None
     if world > 1:
+        from ..moe import DispatchBudgets
         from ..moe.exchange import Transport, make_exchange
 
+        budgets = DispatchBudgets(float(capacity_factor))     # NOTE [experts budget]
         if exchange == "auto":
-            row_exchange = _group_exchange(model, modules, capacity_factor, group, num_tokens)
+            row_exchange = _group_exchange(model, modules, capacity_factor, group, num_tokens,
+                                           budgets)
         elif exchange is None:
             row_exchange = make_exchange(group, kind="nccl chunks")
         elif isinstance(exchange, Transport):
@@ -364,12 +386,13 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
                              f"{settings_of(module).world_size} ranks; pass that group again")
         setattr(module, _SETTINGS_ATTR, ExpertsSettings(
             capacity_factor=float(capacity_factor), stash=stash, group=group, world_size=world,
-            first_expert=first, name=name or "experts", exchange=row_exchange))
+            first_expert=first, name=name or "experts", exchange=row_exchange,
+            budget=None if budgets is None else budgets.layer(name or "experts")))
     return [name for name, _ in modules]
 
 
 def _group_exchange(model: nn.Module, modules, capacity_factor: float, group,
-                    num_tokens: int | None):
+                    num_tokens: int | None, budgets):
     """The live-row exchange every experts module of ``model`` shares, built at the first
     forward where the model then runs (NOTE [exchange built where it runs] in
     ``graphstash/moe/exchange/factory.py``)."""
@@ -382,7 +405,7 @@ def _group_exchange(model: nn.Module, modules, capacity_factor: float, group,
                          "(NCCL chunks) or a Transport built for it")
     E = max(m.num_experts for _, m in modules)
     return make_exchange(group, topk=top_k, num_experts=E, capacity_factor=capacity_factor,
-                         num_tokens=num_tokens, owner="configure")
+                         num_tokens=num_tokens, owner="configure", budgets=budgets)
 
 
 def _warn_bincount_aux_loss(model: nn.Module) -> None:
@@ -503,12 +526,17 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     x = hidden_states.to(w1.dtype)
     weights = _router_weights(top_k_weights, top_k_index, E).to(w1.dtype)
     W = settings.world_size
-    # NOTE [experts budget]: on one GPU a factor above 1 would only waste rows
-    factor = settings.capacity_factor if W > 1 else min(settings.capacity_factor, 1.0)
+    # NOTE [experts budget]: on one GPU a factor above 1 would only waste rows; under expert
+    # parallelism the module's adaptive budget
+    if settings.budget is not None:
+        budget = dict(budget=settings.budget)
+    else:
+        budget = dict(capacity_factor=settings.capacity_factor if W > 1
+                      else min(settings.capacity_factor, 1.0))
     # NOTE [moe layer] in graphstash/moe/layer.py: budget, dispatch, stash group (the
     # current manager's, when stash=True and one is current), expert MLP, unweighted combine
     out = moe_layer(x, top_k_index, weights, w1, w2, E, gated=self.has_gate,
-                    capacity_factor=factor, exchange=settings.exchange, stash=settings.stash,
+                    exchange=settings.exchange, stash=settings.stash, **budget,
                     name=settings.name, activation=layout.activation,
                     interleaved=layout.interleaved, bias1=bias1, bias2=bias2,
                     post_norm=layout.post_norm)
