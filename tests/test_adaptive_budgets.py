@@ -103,8 +103,7 @@ def _observe(budgets, key, rows, need, *, flagged, avg=100, world=2):
     handle = budgets.layer(key)
     sizing = dict(num_tokens=avg * world // K, topk=K, num_experts=E, pad_multiple=None,
                   world_size=world)
-    handle.record(torch.zeros(1, dtype=torch.int64), None, rows=handle.rows(**sizing),
-                  **sizing)                     # no step runs: the need is handed over below
+    handle.record(torch.zeros(1, dtype=torch.int64), None, **sizing)   # no step: see below
     budgets.observe({key: need}, flagged=flagged)
 
 

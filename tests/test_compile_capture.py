@@ -246,6 +246,9 @@ def test_a_grown_budget_recompiles_once_in_an_eager_call(gen):
     assert step.stats.eager_reruns == 1 and step.stats.steps == 6, step.stats
     assert model.budgets.factor("blocks.0") > 0.5
     assert backend.graphs == 2            # the warmup's, and the grown budget's
+    # the traced steps' needs are judged against the grown budget, not the one before
+    layer = model.budgets.stats()[0]
+    assert (layer["over_budget"], layer["grows"], layer["capped"]) == (1, 1, 0), layer
 
 
 @pytest.mark.slow

@@ -54,7 +54,6 @@ class _Layer:
     factor: float                 # the capacity factor in use
     start: float                  # the factor it started at (the floor of a shrink)
     avg_rows: int = 0             # the average rows a rank receives (the last tokens seen)
-    rows: int = 0                 # the budget in rows at the last dispatch
     sizing: tuple = ()            # budget_rows' arguments at the last dispatch, but the factor
     max_rows: int | None = None   # the most rows the exchange holds (a given transport)
     need: int = 0                 # the last step's need (rows, maximum over the ranks)
@@ -65,6 +64,18 @@ class _Layer:
     grows: int = 0
     shrinks: int = 0
     capped: int = 0               # over-budget steps whose growth the cap refused
+
+
+def _rows_now(entry: _Layer) -> int | None:
+    """The layer's budget in rows at its factor now, for the sizes of its last dispatch seen
+    outside a trace (None before one: NOTE [budgets under torch.compile])."""
+    if not entry.sizing:
+        return None
+    from ._dispatch import budget_rows
+
+    num_tokens, topk, num_experts, pad, world = entry.sizing
+    return budget_rows(num_tokens, topk, num_experts, capacity_factor=entry.factor,
+                       pad_multiple=pad, world_size=world)
 
 
 class DispatchBudgets:
@@ -189,11 +200,14 @@ class DispatchBudgets:
             entry.peak = max(entry.peak, need)
             entry.window = max(entry.window, need)
             entry.window_steps += 1
-            if need > entry.rows:
-                entry.over += 1
-            if not self.adapt or entry.avg_rows == 0:
+            rows = _rows_now(entry)
+            if rows is None:                   # no dispatch seen outside a trace yet
                 continue
-            if need > entry.rows:
+            if need > rows:
+                entry.over += 1
+            if not self.adapt:
+                continue
+            if need > rows:
                 changed |= self._grow(entry, need)
             elif self._may_shrink(entry):
                 changed |= self._shrink(entry)
@@ -238,7 +252,7 @@ class DispatchBudgets:
             return False
         if entry.window_steps < self.shrink_after:
             return False
-        quiet = entry.window * self.headroom * self.shrink_margin <= entry.rows
+        quiet = entry.window * self.headroom * self.shrink_margin <= _rows_now(entry)
         if not quiet:                                    # start the next window
             entry.window, entry.window_steps = 0, 0
         return quiet
@@ -254,14 +268,15 @@ class DispatchBudgets:
 
     # ---- what it did --------------------------------------------------------------------
     def stats(self) -> list[dict]:
-        """One dict per layer: ``layer``, ``budget_rows`` (at the last dispatch),
+        """One dict per layer: ``layer``, ``budget_rows`` (at its factor now; None before a
+        dispatch was seen outside a trace),
         ``capacity_factor`` (now), ``need_rows`` (last step) and ``peak_rows`` (the most seen),
         ``needed_factor`` (the peak over the average rows), ``over_budget`` (steps whose need
         passed the budget: the reruns it caused), ``grows`` and ``shrinks`` (the recaptures it
         caused) and ``capped`` (growths the cap refused)."""
         out = []
         for key, e in self._layers.items():
-            out.append({"layer": key, "budget_rows": e.rows, "capacity_factor": e.factor,
+            out.append({"layer": key, "budget_rows": _rows_now(e), "capacity_factor": e.factor,
                         "need_rows": e.need, "peak_rows": e.peak,
                         "needed_factor": e.peak / e.avg_rows if e.avg_rows else 0.0,
                         "over_budget": e.over, "grows": e.grows, "shrinks": e.shrinks,
@@ -344,10 +359,9 @@ class LayerBudget:
     # bookkeeping of the sizes runs only where the forward is not traced (an uncompiled model,
     # or the dropless rerun, which runs uncompiled): the budgets adapt from the first rerun.
     def record(self, demand_rows: torch.Tensor, status, *, num_tokens: int, topk: int,
-               num_experts: int, pad_multiple: int | None, world_size: int, rows: int,
+               num_experts: int, pad_multiple: int | None, world_size: int,
                max_rows: int | None = None) -> None:
-        """After a dispatch of ``rows`` budget rows (sized by :meth:`rows` from the same
-        arguments), raise this layer's need on the running step's status (NOTE [step peaks]):
+        """After a dispatch sized by :meth:`rows` from the same arguments, raise this layer's need on the running step's status (NOTE [step peaks]):
         ``demand_rows`` is the int64 ``[1]`` rows it asked for, on the tokens' device;
         ``status`` as dispatch takes it (None: the running step's; with none running nothing
         observes the need and it is not raised). ``max_rows``: the most rows the exchange can
@@ -358,7 +372,6 @@ class LayerBudget:
             self.owner._world = max(self.owner._world, world_size)
             entry.sizing = (num_tokens, topk, num_experts, pad_multiple, world_size)
             entry.max_rows = max_rows
-            entry.rows = rows
             entry.avg_rows = max(1, num_tokens * topk // world_size)
         owner = _status_owner(status, demand_rows.device)
         if owner is not None:

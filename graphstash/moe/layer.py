@@ -134,7 +134,7 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
     if layer_budget is not None:
         # the rows asked for go back to the layer's budget; a transport given as it is
         # cannot grow, so its region bounds the budget (NOTE [budgets under torch.compile])
-        layer_budget.record(handle.plan.demand_rows, status, rows=budget,
+        layer_budget.record(handle.plan.demand_rows, status,
                             max_rows=getattr(exchange, "capacity_rows", None), **sizing)
     return out
 
