@@ -156,7 +156,9 @@ def test_budgets_are_refused_by_name():
 
 def _one_device_model(**over):
     # one device: capacity factor 1.0 is the dropless budget; 0.6 goes over under skew
-    return MoEModel(_config(capacity_factor=0.6, routing="skew:2.0", **over), seed=2)
+    fields = dict(capacity_factor=0.6, routing="skew:2.0")
+    fields.update(over)
+    return MoEModel(_config(**fields), seed=2)
 
 
 def test_one_device_budgets_grow_and_checkpoints_restore_them():
@@ -202,3 +204,31 @@ def test_on_overflow_can_veto_the_growth():
             step(x, proj)
     assert seen == [True] * 4 and step.stats.eager_reruns == 4
     assert all(s["capacity_factor"] == 0.6 for s in model.budgets.stats())
+
+
+def test_a_budget_set_between_steps_is_taken_by_the_next_call():
+    """set_factor (from on_overflow, or between steps) changes what the next call dispatches
+    with; the step notices (budget_changes: one eager step, then a recapture on a GPU)."""
+    model = _one_device_model(routing="balanced", capacity_factor=1.0)
+    batches = _batches(0, 6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+
+        @graphstash.graph_step(optimizer=opt)
+        def step(x, proj):
+            loss = (model(x) * proj).sum() / T
+            loss.backward()
+            return loss.detach()
+
+        for x, proj in batches[:3]:
+            step(x, proj)
+        assert step.stats.budget_changes == 0
+        model.budgets.set_factor("blocks.1", 0.5)              # too small: reruns, then grows
+        for x, proj in batches[3:]:
+            step(x, proj)
+    assert step.stats.budget_changes >= 1 and step.stats.eager_reruns == 1, step.stats
+    assert model.budgets.factor("blocks.1") > 0.5
+    assert model.budgets.factor("blocks.0") == 1.0
