@@ -170,6 +170,7 @@ class StepStatus:
 
     def _init(self) -> None:
         self._reducer: FlagReducer | None = None
+        self._reducer_takes_peaks = False
         self._host: torch.Tensor | None = None        # pinned int32 copy (CUDA), made once
         # NOTE [step peaks]: made with the status, so no capture ever allocates them
         self._peaks = torch.full((MAX_STEP_PEAKS,), -1, dtype=torch.int32,
@@ -329,6 +330,7 @@ class StepStatus:
                              f"{self._reducer!r}; call register_reducer(None) first to replace "
                              f"it with {reducer!r}")
         self._reducer = reducer
+        self._reducer_takes_peaks = reducer is not None and _takes_peaks(reducer)
 
     def reduced_flags(self, *, distributed: bool | str = "auto", process_group=None
                       ) -> torch.Tensor:
@@ -354,7 +356,7 @@ class StepStatus:
 
         on = dist.is_available() and dist.is_initialized()
         if self._reducer is not None:
-            if _takes_peaks(self._reducer):
+            if self._reducer_takes_peaks:
                 self._reducer.all_reduce_flags_(flags, peaks=peaks)
                 return out
             self._reducer.all_reduce_flags_(flags)
