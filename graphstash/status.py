@@ -175,7 +175,7 @@ class StepStatus:
         # NOTE [step peaks]: made with the status, so no capture ever allocates them
         self._peaks = torch.full((MAX_STEP_PEAKS,), -1, dtype=torch.int32,
                                  device=self._tensor.device)
-        self._peak_owners: dict = {}                  # id(owner) -> owner, those delivered to
+        self._peak_owners: dict = {}                  # id(owner) -> weakref, those delivered to
         self._first_versions: dict = {}               # id(owner) -> version before its first
         _owners[id(self._tensor)] = self
 
@@ -251,15 +251,20 @@ class StepStatus:
 
     @property
     def peak_owners(self) -> list:
-        """The :class:`PeakOwner` objects this status handed peaks to."""
-        return list(self._peak_owners.values())
+        """The :class:`PeakOwner` objects this status handed peaks to (those still alive)."""
+        return [owner for owner in (ref() for ref in self._peak_owners.values())
+                if owner is not None]
 
     def owner_versions(self) -> dict:
         """``{id(owner): (version now, version before its first delivery here)}`` of every
         owner this status handed peaks to: what a step compares with what its graphs (and
         compiled code) baked in (NOTE [budgets the step adapts])."""
-        return {key: (owner.version, self._first_versions[key])
-                for key, owner in self._peak_owners.items()}
+        out = {}
+        for key, ref in self._peak_owners.items():
+            owner = ref()
+            if owner is not None:
+                out[key] = (owner.version, self._first_versions[key])
+        return out
 
     def raised_peaks(self, values) -> list:
         """``[(owner, {key: value})]`` of the peaks raised in ``values`` (the reduced
@@ -280,8 +285,9 @@ class StepStatus:
         """Hand each owner its raised peaks (:meth:`raised_peaks` of ``values``); ``flagged``:
         the step was rerun."""
         for owner, peaks in self.raised_peaks(values):
-            if id(owner) not in self._peak_owners:
-                self._peak_owners[id(owner)] = owner
+            known = self._peak_owners.get(id(owner))
+            if known is None or known() is not owner:
+                self._peak_owners[id(owner)] = weakref.ref(owner)
                 self._first_versions[id(owner)] = owner.version
             owner.observe(peaks, flagged=flagged)
 

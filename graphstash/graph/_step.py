@@ -140,7 +140,6 @@ class _Graph:
     graph: object
     inputs: S.StaticInputs
     outputs: object                 # what the captured call returned (static tensors)
-    peaks: int                      # step peaks the graph copies out with its flags
     grads: list                     # gradient tensors the graph writes (its pool)
     nbytes: int                     # pool growth during capture + static inputs
     described: str                  # the captured call's arguments, for GraphInfo
@@ -295,8 +294,7 @@ class GraphStep:
         self._warned_contract = False
         self._eager_signatures = compile_guard.EagerSignatures()   # NOTE [compile and capture]
         self._refuse_compiles = False
-        self._peaks_baked = None                 # NOTE [budgets the step adapts]
-        self._versions_baked: dict = {}
+        self._versions_baked: dict = {}          # NOTE [budgets the step adapts]
         if self.optimizer is not None:           # NOTE [step ownership], [checkpoint and resume]
             me = weakref.ref(self)
             hooks = (self.optimizer.register_step_pre_hook(functools.partial(_refuse_step, me)),
@@ -666,17 +664,13 @@ class GraphStep:
     # measure their layers' needs as step peaks (NOTE [step peaks]); the step hands them over
     # after every step it read the flags of, and after an over-budget step (rerun dropless,
     # its update applied once, the stash grown) they grow. A graph bakes the budgets in, so a
-    # call that finds an owner's version or the number of peaks changed since the last one
-    # drops the graphs and runs one eager step first: at the new sizes an expert-parallel
+    # call that finds an owner's version changed since the last one drops the graphs and runs one eager step first: at the new sizes an expert-parallel
     # exchange may need a larger region, which is built by a collective at an eager forward.
     # The next call recaptures. ``on_overflow`` runs after the growth; returning False vetoes
     # it (the budgets are restored), and it may set budgets itself.
     def _check_budgets(self) -> None:
-        status = self.step_status
-        peaks = len(status.step_peaks())
-        changed = self._peaks_baked is not None and peaks != self._peaks_baked
-        self._peaks_baked = peaks
-        for key, (version, first) in status.owner_versions().items():
+        changed = False
+        for key, (version, first) in self.step_status.owner_versions().items():
             changed |= version != self._versions_baked.get(key, first)
             self._versions_baked[key] = version
         if not changed:
@@ -1055,7 +1049,6 @@ class GraphStep:
         names = S.leaf_names(args, kwargs)
         described = "; ".join(f"{n}: {x.describe()}" for n, x in zip(names, sig[1]))
         entry = _Graph(signature=sig, graph=graph, inputs=inputs, outputs=S.detach_tree(out),
-                       peaks=len(self.step_status.step_peaks()),
                        grads=grads, nbytes=max(0, torch.cuda.memory_reserved(dev) - reserved0),
                        described=described)
         _LIVE_GRAPHS.add(graph)
@@ -1094,7 +1087,7 @@ class GraphStep:
         self._done_event.synchronize()
         view = self._flags_view
         overflow, spill, over_budget = (int(v) for v in view[:3])
-        peaks = view[3:3 + entry.peaks].tolist()
+        peaks = view[3:3 + MAX_STEP_PEAKS].tolist()
         waited = time.perf_counter() - t0
         self._status_wait_s += waited
         self._stats.replays += 1
