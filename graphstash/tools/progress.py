@@ -38,8 +38,14 @@ class Bar:
             dynamic_ncols=True)
 
     def update(self, n: int = 1) -> None:
-        if self._bar is not None:
-            self._bar.update(n)
+        bar = self._bar
+        if bar is None:
+            return
+        bar.update(n)
+        # the finished state is always drawn: tqdm skips the redraws that come within its
+        # minimum interval of the last one, which on a loaded machine can be every one left
+        if bar.total is not None and bar.n >= bar.total:
+            bar.refresh()
 
     def close(self) -> None:
         if self._bar is not None:
