@@ -78,9 +78,8 @@ class PeakOwner(Protocol):
     ``observe(peaks, flagged=...)`` gets, on the host after every step that raised some of
     them, ``{key: value}`` of the owner's peaks raised in that step (the maximum over the step
     and over the ranks) and whether the step was flagged (overflow or over budget: it was
-    rerun). ``version`` is an
-    int that changes whenever something a captured graph baked in from the owner changed (a
-    step recaptures when it differs from the one it captured with). ``state_dict()`` /
+    rerun). ``version`` is an int that changes whenever something a captured graph baked in
+    from the owner changed (a step recaptures when it differs from the one it captured with). ``state_dict()`` /
     ``load_state_dict(state)`` snapshot and restore it (a veto of ``on_overflow``)."""
 
     version: int
@@ -342,8 +341,8 @@ class StepStatus:
                       ) -> torch.Tensor:
         """int32 ``[3 + MAX_STEP_PEAKS]`` on the device: indicators (0/1) of overflow, host
         spill and over budget, summed over the ranks (NOTE [flags across ranks]), then the step
-        peaks, their maximum over the ranks (NOTE [step peaks]; -1 where none was raised). Capturable, no host
-        read.
+        peaks, their maximum over the ranks (NOTE [step peaks]; -1 where none was raised).
+        Capturable, no host read.
 
         Args:
             distributed: False: this rank's flags only. ``"auto"``: combine them through the
