@@ -79,8 +79,9 @@ class PeakOwner(Protocol):
     them, ``{key: value}`` of the owner's peaks raised in that step (the maximum over the step
     and over the ranks) and whether the step was flagged (overflow or over budget: it was
     rerun). ``version`` is an int that changes whenever something a captured graph baked in
-    from the owner changed (a step recaptures when it differs from the one it captured with). ``state_dict()`` /
-    ``load_state_dict(state)`` snapshot and restore it (a veto of ``on_overflow``)."""
+    from the owner changed (a step recaptures when it differs from the one it captured with).
+    ``state_dict()`` / ``load_state_dict(state)`` snapshot and restore it (a veto of
+    ``on_overflow``)."""
 
     version: int
 

@@ -664,9 +664,10 @@ class GraphStep:
     # measure their layers' needs as step peaks (NOTE [step peaks]); the step hands them over
     # after every step it read the flags of, and after an over-budget step (rerun dropless,
     # its update applied once, the stash grown) they grow. A graph bakes the budgets in, so a
-    # call that finds an owner's version changed since the last one drops the graphs and runs one eager step first: at the new sizes an expert-parallel
-    # exchange may need a larger region, which is built by a collective at an eager forward.
-    # The next call recaptures. ``on_overflow`` runs after the growth; returning False vetoes
+    # call that finds an owner's version changed since the last one drops the graphs and runs
+    # one eager step first: at the new sizes an expert-parallel exchange may need a larger
+    # region, which is built by a collective at an eager forward, and a compiled model
+    # recompiles there. The next call recaptures. ``on_overflow`` runs after the growth; returning False vetoes
     # it (the budgets are restored), and it may set budgets itself.
     def _check_budgets(self) -> None:
         changed = False

@@ -361,10 +361,11 @@ class LayerBudget:
     def record(self, demand_rows: torch.Tensor, status, *, num_tokens: int, topk: int,
                num_experts: int, pad_multiple: int | None, world_size: int,
                max_rows: int | None = None) -> None:
-        """After a dispatch sized by :meth:`rows` from the same arguments, raise this layer's need on the running step's status (NOTE [step peaks]):
-        ``demand_rows`` is the int64 ``[1]`` rows it asked for, on the tokens' device;
-        ``status`` as dispatch takes it (None: the running step's; with none running nothing
-        observes the need and it is not raised). ``max_rows``: the most rows the exchange can
+        """After a dispatch sized by :meth:`rows` from the same arguments, raise this layer's
+        need on the running step's status (NOTE [step peaks]): ``demand_rows`` is the int64
+        ``[1]`` rows it asked for, on the tokens' device; ``status`` as dispatch takes it
+        (None: the running step's; with none running nothing observes the need and it is not
+        raised). ``max_rows``: the most rows the exchange can
         receive (a transport that cannot be rebuilt larger), which no growth passes.
         Capturable, and traced whole by torch.compile (NOTE [budgets under torch.compile])."""
         if not torch.compiler.is_compiling():
