@@ -667,8 +667,8 @@ class GraphStep:
     # call that finds an owner's version changed since the last one drops the graphs and runs
     # one eager step first: at the new sizes an expert-parallel exchange may need a larger
     # region, which is built by a collective at an eager forward, and a compiled model
-    # recompiles there. The next call recaptures. ``on_overflow`` runs after the growth; returning False vetoes
-    # it (the budgets are restored), and it may set budgets itself.
+    # recompiles there. The next call recaptures. ``on_overflow`` runs after the growth;
+    # returning False vetoes it (the budgets are restored), and it may set budgets itself.
     def _check_budgets(self) -> None:
         changed = False
         for key, (version, first) in self.step_status.owner_versions().items():
