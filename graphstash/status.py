@@ -240,20 +240,10 @@ class StepStatus:
     @property
     def peaks(self) -> torch.Tensor:
         """int32 ``[MAX_STEP_PEAKS]``: every slot's peak this step, -1 where none was raised
-        (NOTE [step peaks]); :func:`raise_peak` writes a slot, capturable."""
+        (NOTE [step peaks]); :func:`raise_peak` writes a slot, capturable. A step reduces and
+        copies every slot, claimed or not, so what it does never changes with the objects
+        other code makes or frees."""
         return self._peaks
-
-    def step_peaks(self) -> torch.Tensor:
-        """int32 ``[MAX_STEP_PEAKS]``: every slot, claimed or not, so that what a step reduces
-        and copies never changes with the objects other code makes or frees (a count of the
-        claimed slots would recapture a step whenever an unrelated model came or went)."""
-        return self._peaks
-
-    @property
-    def peak_owners(self) -> list:
-        """The :class:`PeakOwner` objects this status handed peaks to (those still alive)."""
-        return [owner for owner in (ref() for ref in self._peak_owners.values())
-                if owner is not None]
 
     def owner_versions(self) -> dict:
         """``{id(owner): (version now, version before its first delivery here)}`` of every
@@ -268,7 +258,7 @@ class StepStatus:
 
     def raised_peaks(self, values) -> list:
         """``[(owner, {key: value})]`` of the peaks raised in ``values`` (the reduced
-        :meth:`step_peaks` on the host, slot order; -1: not raised this step)."""
+        :attr:`peaks` on the host, slot order; -1: not raised this step)."""
         by_owner: dict = {}
         values = list(values)
         for slot in range(min(len(values), len(_SLOTS))):

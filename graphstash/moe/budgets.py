@@ -53,7 +53,6 @@ def _positive_float(name: str, value, *, above: float = 0.0) -> float:
 class _Layer:
     factor: float                 # the capacity factor in use
     start: float                  # the factor it started at (the floor of a shrink)
-    avg_rows: int = 0             # the average rows a rank receives (the last tokens seen)
     sizing: tuple = ()            # budget_rows' arguments at the last dispatch, but the factor
     max_rows: int | None = None   # the most rows the exchange holds (a given transport)
     need: int = 0                 # the last step's need (rows, maximum over the ranks)
@@ -76,6 +75,13 @@ def _rows_now(entry: _Layer) -> int | None:
     num_tokens, topk, num_experts, pad, world = entry.sizing
     return budget_rows(num_tokens, topk, num_experts, capacity_factor=entry.factor,
                        pad_multiple=pad, world_size=world)
+
+
+def _avg_rows(entry: _Layer) -> int:
+    """The average rows a rank receives at the layer's last sizes: ``T x K / W`` over the
+    group's tokens (at least 1)."""
+    num_tokens, topk, _, _, world = entry.sizing
+    return max(1, num_tokens * topk // world)
 
 
 class DispatchBudgets:
@@ -125,7 +131,6 @@ class DispatchBudgets:
         self.changes = 0              # steps after which some budget changed (recaptures)
         self._layers: dict[str, _Layer] = {}
         self._handles: dict[str, LayerBudget] = {}
-        self._world = 1
 
     def __repr__(self) -> str:
         return (f"DispatchBudgets(layers={len(self._layers)}, capacity_factor="
@@ -215,13 +220,13 @@ class DispatchBudgets:
             self.version += 1
             self.changes += 1
 
-    def _cap(self) -> float:
-        worst = float(self._world)
+    def _cap(self, entry: _Layer) -> float:
+        worst = float(entry.sizing[4])                 # every row on one rank: world_size
         return worst if self.max_capacity_factor is None else min(worst,
                                                                   self.max_capacity_factor)
 
     def _grow(self, entry: _Layer, need: int) -> bool:
-        wanted = min(self._cap(), need * self.headroom / entry.avg_rows)
+        wanted = min(self._cap(entry), need * self.headroom / _avg_rows(entry))
         wanted = self._fit(entry, wanted)
         if wanted <= entry.factor:
             entry.capped += 1
@@ -258,7 +263,7 @@ class DispatchBudgets:
         return quiet
 
     def _shrink(self, entry: _Layer) -> bool:
-        target = max(entry.start, entry.window * self.headroom / entry.avg_rows)
+        target = max(entry.start, entry.window * self.headroom / _avg_rows(entry))
         entry.window, entry.window_steps = 0, 0
         if target >= entry.factor:
             return False
@@ -278,7 +283,7 @@ class DispatchBudgets:
         for key, e in self._layers.items():
             out.append({"layer": key, "budget_rows": _rows_now(e), "capacity_factor": e.factor,
                         "need_rows": e.need, "peak_rows": e.peak,
-                        "needed_factor": e.peak / e.avg_rows if e.avg_rows else 0.0,
+                        "needed_factor": e.peak / _avg_rows(e) if e.sizing else 0.0,
                         "over_budget": e.over, "grows": e.grows, "shrinks": e.shrinks,
                         "capped": e.capped})
         return out
@@ -370,10 +375,8 @@ class LayerBudget:
         Capturable, and traced whole by torch.compile (NOTE [budgets under torch.compile])."""
         if not torch.compiler.is_compiling():
             entry = self.owner._entry(self.key)
-            self.owner._world = max(self.owner._world, world_size)
             entry.sizing = (num_tokens, topk, num_experts, pad_multiple, world_size)
             entry.max_rows = max_rows
-            entry.avg_rows = max(1, num_tokens * topk // world_size)
         owner = _status_owner(status, demand_rows.device)
         if owner is not None:
             raise_peak(owner.peaks, self.slot, demand_rows)

@@ -105,9 +105,7 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
         if layer_budget is not None:
             budget = layer_budget.rows(**sizing)
         else:
-            budget = budget_rows(x.shape[0] * world, topk_idx.shape[1], num_experts,
-                                 capacity_factor=capacity_factor, pad_multiple=pad_multiple,
-                                 world_size=world)
+            budget = budget_rows(capacity_factor=capacity_factor, **sizing)
     permuted, counts, handle = dispatch(x, topk_idx, topk_weight, num_experts, budget=budget,
                                         pad_multiple=pad_multiple, exchange=exchange,
                                         status=status)
@@ -133,7 +131,7 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
             out = experts()
     if layer_budget is not None:
         # the rows asked for go back to the layer's budget; a transport given as it is
-        # cannot grow, so its region bounds the budget (NOTE [budgets under torch.compile])
+        # cannot grow, so its region bounds the budget (NOTE [adaptive budgets])
         layer_budget.record(handle.plan.demand_rows, status,
                             max_rows=getattr(exchange, "capacity_rows", None), **sizing)
     return out
