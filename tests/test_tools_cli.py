@@ -120,6 +120,9 @@ BAD_FLAGS = [
     (["bench", "hf", "--steps", "3"], "--steps: expected an int >= 4, got 3"),
     (["bench", "hf", "--runs", "HF compiled"], "--runs: expected names from"),
     (["memory", "--top", "0"], "--top: expected a positive int, got 0"),
+    (["memory", "--ep", "1"], "--ep: expected an int >= 2, got 1"),
+    (["memory", "--ep", "2"], "--ep: expected to run as one of 2 processes of a torchrun launch"),
+    (["memory", "--routing", "skew:x"], "--routing: "),
     (["bench", "--json", "/missing/dir/r.json"], "--json: expected a file in an existing directory"),
     (["bench", "stash", "--plot", "{tmp}/a_file"], "--plot: expected a directory, got the file"),
 ]

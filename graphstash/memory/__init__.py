@@ -23,7 +23,8 @@ import torch
 from ._allocator import DEFAULT_MAX_ENTRIES, AllocatorRecorder, match_records, site
 from ._report import (GRAPH_POOL, OTHER, OWNERS, SAVED_ACTIVATIONS, TEMPORARIES, Block,
                       MemoryReport, backward_starts, classify, peak_of)
-from ._static import owned_storages, owner_map, same_device, static_bytes, static_footprint
+from ._static import (STASH_POOL, owned_storages, owner_map, same_device, static_bytes,
+                      static_footprint)
 from ._storage import StorageRecorder
 
 
@@ -268,4 +269,5 @@ def _cuda_blocks(recording, matched, start_owners, end_owners, starts, dev) -> l
     return blocks
 
 
-__all__ = ["MemoryReport", "OWNERS", "SAVED_ACTIVATIONS", "profile", "static_footprint"]
+__all__ = ["MemoryReport", "OWNERS", "SAVED_ACTIVATIONS", "STASH_POOL", "profile",
+           "static_footprint"]

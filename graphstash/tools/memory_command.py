@@ -14,10 +14,15 @@ the reference backend; the header shows every size as it runs and says which wer
 PyTorch's memory_viz page loads); ``--format md`` prints the tables as Markdown with the run's
 source line. A progress bar on stderr (a terminal only) counts the steps.
 Flags are checked before anything is built (:mod:`graphstash.tools.options`).
+
+``--ep N`` records one step of expert parallelism over ``N`` ranks, launched as ``torchrun
+--nproc-per-node N -m graphstash.tools.cli memory --ep N`` (NOTE [memory over ranks]); ``--routing``
+biases the routers as ``graphstash bench moe --routing`` does.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -65,6 +70,13 @@ def add_arguments(p) -> None:
                    "for https://pytorch.org/memory_viz; CUDA only)")
     p.add_argument("--format", choices=FORMATS, default="text",
                    help="text (default) or md: Markdown tables with the run's source line")
+    p.add_argument("--routing", default=None,
+                   help="router logit bias: balanced (default), skew:X, zipf:S, drift[:X[:P]] "
+                   "(as graphstash bench moe --routing)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel ranks: launch with torchrun --nproc-per-node N -m "
+                   "graphstash.tools.cli memory --ep N; every rank records its step, rank 0 "
+                   "prints its report and every rank's peaks")
 
 
 def check_flags(args) -> torch.device:
@@ -82,7 +94,47 @@ def check_flags(args) -> torch.device:
         raise options.FlagError(f"--snapshot: torch's memory snapshot records the CUDA caching "
                                 f"allocator; the run is on {dev}, which has none (--device "
                                 "cuda on a GPU)")
+    ep_world(args)
     return dev
+
+
+# NOTE [memory over ranks]: with --ep N every process of a torchrun launch is one rank of the
+# expert-parallel group and builds the model as README shows it, MoEModel(config, group=g)
+# (its exchange built at the first forward: symmetric memory on the GPUs of one host, gloo on
+# the CPU). Each rank records its own step (the allocator of its own process); rank 0 prints
+# its report, and a table of every rank's peak, activation peak and stash pool, since under
+# skewed routing the ranks receive different rows and the largest is what must fit.
+def ep_world(args, environ=None) -> int | None:
+    """``--ep`` checked against the launcher's ``WORLD_SIZE`` (FlagError naming ``--ep``);
+    None without it."""
+    ep = options.positive_int("--ep", getattr(args, "ep", None), minimum=2)
+    if ep is None:
+        return None
+    environ = os.environ if environ is None else environ
+    world = environ.get("WORLD_SIZE")
+    if world != str(ep):
+        raise options.FlagError(
+            f"--ep: expected to run as one of {ep} processes of a torchrun launch (torchrun "
+            f"--nproc-per-node {ep} -m graphstash.tools.cli memory --ep {ep}), got "
+            f"WORLD_SIZE={world}")
+    return ep
+
+
+def _join_ranks(dev: torch.device):
+    """This process's rank of the launch's group (initialised here if the launcher left it to
+    us: NCCL on a GPU, gloo on the CPU) and its device (``cuda:LOCAL_RANK`` on a GPU)."""
+    import torch.distributed as dist
+
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        if dev.type == "cuda":
+            dist.init_process_group("nccl", device_id=dev)
+        else:
+            dist.init_process_group("gloo")
+    return dist.group.WORLD, dev
 
 
 def sizes(args, on_gpu: bool) -> tuple[MoEConfig, dict]:
@@ -107,6 +159,10 @@ def sizes(args, on_gpu: bool) -> tuple[MoEConfig, dict]:
     if topk > experts:
         raise options.FlagError(f"--topk: expected at most the experts ({experts}), got {topk}")
     config = dataclasses.replace(config, **overrides)
+    if getattr(args, "routing", None) is not None:
+        from .bench.moe_setup import routing_from_args
+
+        config = dataclasses.replace(config, routing=routing_from_args(args))
     return config, reduced
 
 
@@ -144,27 +200,45 @@ def header(args, config: MoEConfig, reduced: dict, dtype, dev, on_gpu: bool) -> 
 
 def run(args) -> int:
     """Check the flags, build, warm up and record one step; print the report (and write the
-    plot and the snapshot)."""
+    plot and the snapshot). With ``--ep``: on every rank of the launch (NOTE [memory over
+    ranks])."""
     dev = check_flags(args)
     on_gpu = dev.type == "cuda"
     config, reduced = sizes(args, on_gpu)
+    world = ep_world(args)
+    group, rank = None, 0
+    if world is not None:
+        if config.num_experts % world:
+            raise options.FlagError(f"--ep: expected ranks that split the {config.num_experts} "
+                                    f"experts evenly, got {world}")
+        import torch.distributed as dist
+
+        group, dev = _join_ranks(dev)
+        rank = dist.get_rank(group)
+    leader = rank == 0
     dtype = torch.bfloat16 if on_gpu else torch.float32
     graphed = args.mode != "dropless"
     captured = on_gpu and graphed
     fmt = getattr(args, "format", "text")
-    print(header(args, config, reduced, dtype, dev, on_gpu))
+    say = print if leader else (lambda *a, **k: None)
+    say(header(args, config, reduced, dtype, dev, on_gpu))
+    if world is not None:
+        say(f"expert parallel: {world} ranks (MoEModel(config, group=g)), "
+            f"{config.num_experts // world} experts each, {config.num_tokens} tokens per rank, "
+            f"routing {config.routing}; the report is rank 0's")
     if captured:
-        print(f"recorded: the CUDA graph capture of the step by graph_step and the next "
-              f"call's replay, after {WARMUP} eager warmup steps")
+        say(f"recorded: the CUDA graph capture of the step by graph_step and the next "
+            f"call's replay, after {WARMUP} eager warmup steps")
     else:
         where = "eagerly" if on_gpu else "eagerly on the CPU (no CUDA graph), reference backend"
-        print(f"recorded: one step {where}, after {WARMUP} warmup steps")
+        say(f"recorded: one step {where}, after {WARMUP} warmup steps")
     steps = 2 if captured else 1
     with training.quiet_cpu_graph_step(on_gpu), \
-            progress.bar(WARMUP + steps, "memory: warmup, then the recorded steps") as bar:
+            progress.bar(WARMUP + steps, "memory: warmup, then the recorded steps",
+                         show=leader) as bar:
         run_ = training.build(config, args.mode, dev, dtype, graphed=graphed,
-                              stash=_stash_config(args.mode, dev), warmup=WARMUP)
-        x, y = training.batches(config, 1, seed=SEED, device=dev, dtype=dtype)[0]
+                              stash=_stash_config(args.mode, dev), warmup=WARMUP, group=group)
+        x, y = training.batches(config, 1, seed=SEED + rank, device=dev, dtype=dtype)[0]
 
         def step(*batch):
             out = run_.step(*batch)
@@ -174,19 +248,47 @@ def run(args) -> int:
         report = profile(step, x, y, model=run_.model, optimizer=run_.optimizer,
                          stash_manager=run_.stash_manager, warmup=WARMUP, steps=steps,
                          device=dev, snapshot=args.snapshot is not None)
-    if run_.stash_manager is not None and run_.stash_manager.plan():
+    if leader and run_.stash_manager is not None and run_.stash_manager.plan():
         print("\nstash plan (from the warmup measurement):")
         if fmt == "md":
             print()
         print(run_.stash_manager.plan_table(fmt))
-    print()
-    print(report.table(top=args.top, fmt=fmt))
+    say()
+    say(report.table(top=args.top, fmt=fmt))
+    if world is not None:
+        per_rank = rank_figures(report, group)
+        say()
+        say(rank_table(per_rank, fmt))
     if fmt == "md":
-        print(f"\nsource: {provenance.line(provenance.collect(getattr(args, 'argv', None)))}")
-    if args.plot:
+        say(f"\nsource: {provenance.line(provenance.collect(getattr(args, 'argv', None)))}")
+    if args.plot and leader:
         print(f"wrote {report.plot(args.plot)}")
-    if args.snapshot:
+    if args.snapshot and leader:
         print(f"wrote {report.write_snapshot(args.snapshot)} (torch's memory snapshot: open it "
               "in https://pytorch.org/memory_viz)")
     run_.release()
     return 0
+
+
+def rank_figures(report, group) -> list:
+    """Every rank's ``(peak, activation peak, stash pool)`` bytes, in rank order (a
+    collective over ``group``)."""
+    import torch.distributed as dist
+
+    from ..memory import STASH_POOL
+
+    mine = (report.peak, report.activation_peak, report.owner_totals.get(STASH_POOL, 0))
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, mine, group=group)
+    return out
+
+
+def rank_table(per_rank: list, fmt: str = "text") -> str:
+    """The table of :func:`rank_figures`: MiB per rank."""
+    from ..tables import Column, format_table
+
+    mib = 2 ** 20
+    rows = [(r, p / mib, a / mib, s / mib) for r, (p, a, s) in enumerate(per_rank)]
+    return format_table([Column("rank", "d"), Column("peak MiB", ".1f"),
+                         Column("activation peak MiB", ".1f"), Column("stash pool MiB", ".1f")],
+                        rows, fmt, title="every rank")
