@@ -71,3 +71,168 @@ def test_policy_forces_the_choice(gen, policy, stashed):
 def test_bad_policy_names_the_field():
     with pytest.raises(ValueError, match="policy"):
         StashManager(StashConfig(policy="sometimes"), device="cpu")
+
+
+# ---- the plan from measured levels (NOTE [stash plan]) --------------------------------------
+GIB = 2 ** 30
+
+
+def _timeline(layers: int, saved: float, grads: float, base: float = 10.0) -> list:
+    """The levels of an unstashed step of ``layers`` alike groups (GiB): each forward adds its
+    ``saved`` bytes, each backward frees them and adds its ``grads``."""
+    out, level = [], base
+    for g in range(layers):
+        level += saved
+        out.append(("F", g, level * GIB))
+    for g in reversed(range(layers)):
+        out.append(("B", g, level * GIB))
+        level += grads - saved
+    out.append(("E", -1, level * GIB))
+    return out
+
+
+def _events(layers: int) -> list:
+    return ([("F", g, "moe") for g in range(layers)]
+            + [("B", g, "moe") for g in reversed(range(layers))])
+
+
+class _Measured:
+    def __init__(self, gid: int, budget: float, live: float):
+        self.gid, self.name = gid, "moe"
+        self.plan_bytes = {"k": (int(budget * GIB), int(live * GIB))}
+
+
+def _plan(layers, budget, live, grads, policy="auto"):
+    from graphstash.stash.plan import StashPlan
+
+    plan = StashPlan(policy)
+    groups = [_Measured(g, budget, live) for g in range(layers)]
+    plan.make(_events(layers), groups, StashConfig(policy=policy),
+              timeline=_timeline(layers, budget, grads))
+    return plan
+
+
+def test_predicted_peak_replays_the_levels():
+    """Nothing stashed: the measured peak. One group stashed: its budget bytes leave from the
+    event after its forward until its backward, the pool stays throughout, one reload's
+    working set at every backward start."""
+    from graphstash.stash.plan import predicted_peak
+
+    tl = _timeline(3, saved=1.0, grads=0.25)          # peak 13 GiB at the first backward
+    budget, live = {g: GIB for g in range(3)}, {g: GIB // 4 for g in range(3)}
+    assert predicted_peak(tl, set(), budget, live, 1.0) == 13 * GIB
+    # group 0 away from F1 to B0: at B2 13 - 1 + 0.25 (pool) + 1 (reload) = 13.25
+    assert predicted_peak(tl, {0}, budget, live, 1.0) == 13.25 * GIB
+    # the first group's backward start: 11.5 + the pool (2 x 0.5) + a reload (1.0)
+    assert predicted_peak(tl, {0, 1}, budget, live, 2.0) == pytest.approx(13.5 * GIB)
+
+
+def test_gradients_that_outgrow_the_saved_rows_keep_every_group():
+    """As measured at expert parallelism: each layer's gradients (1.0) outweigh its budget
+    rows (0.56, live 0.45): the pool would sit beside every gradient at the end of backward,
+    so the plan stashes nothing, and says why."""
+    plan = _plan(8, budget=0.56, live=0.45, grads=1.0)
+    assert not any(r["stashed"] for r in plan.rows) and plan.keep_all
+    assert "raise the predicted step peak" in plan.rows[0]["why"]
+    assert "last group" in plan.rows[-1]["why"]
+    before, after = plan.predicted
+    assert after == before
+
+
+def test_dead_rows_with_growing_gradients_stash_the_first_groups():
+    """Budget rows twice the live ones and gradients half the budget rows: stashing every
+    group would put the pool beside the gradients at the end of backward, stashing none keeps
+    the start of backward at its top; the plan takes the first k in between, and its
+    predicted peak is below both ends."""
+    from graphstash.stash.plan import predicted_peak
+
+    layers, budget, live, grads = 8, 1.0, 0.5, 0.6
+    plan = _plan(layers, budget, live, grads)
+    stashed = [r["stashed"] for r in plan.rows]
+    k = sum(stashed)
+    assert 0 < k < layers - 1 and stashed == [True] * k + [False] * (layers - k)
+    assert "first" in plan.rows[0]["why"] and "kept" in plan.rows[k]["why"]
+    tl = _timeline(layers, budget, grads)
+    b = {g: int(budget * GIB) for g in range(layers)}
+    v = {g: int(live * GIB) for g in range(layers)}
+    every = predicted_peak(tl, range(layers - 1), b, v, StashConfig().device_factor)
+    before, after = plan.predicted
+    assert after < before and after < every
+
+
+def test_no_gradients_to_speak_of_stash_every_group():
+    """Small gradients: the start of backward sets the peak, every group but the last is
+    stashed (what the plan did by the start of backward alone)."""
+    plan = _plan(4, budget=1.0, live=0.3, grads=0.01)
+    assert [r["stashed"] for r in plan.rows] == [True, True, True, False]
+
+
+@pytest.mark.parametrize("policy, stashed", [("always", True), ("never", False)])
+def test_policy_overrides_the_levels(policy, stashed):
+    plan = _plan(4, budget=0.56, live=0.45, grads=1.0, policy=policy)
+    assert [r["stashed"] for r in plan.rows][:3] == [stashed] * 3
+
+
+def test_a_new_plan_is_measured_after_replan(gen):
+    """replan(): the buffers go, the next step keeps every tensor and measures again, and the
+    plan and the buffers come back from it; the gradients stay equal to the budget model's
+    through all of it (the stashed, measuring and re-stashed steps)."""
+    config = _config(3.0)
+    manager = StashManager(StashConfig(min_tensor_bytes=0), device="cpu")
+    model = MoEModel(config, mode="stash", stash_manager=manager, seed=5)
+    ref = MoEModel(config, mode="budget", seed=5)
+    seen = []
+    for i in range(5):
+        if i == 2:
+            manager.replan()
+            assert manager.plan() == [] and manager.buffers == {}
+        x = tokens(config.num_tokens, config.hidden, gen) / config.num_tokens
+        proj = projection((config.num_tokens, config.hidden), gen)
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        manager.begin_step()
+        with manager:
+            projected_loss(model(x), proj).backward()
+        manager.end_step()
+        projected_loss(ref(x), proj).backward()
+        assert_far_from_zero(named_grads(ref))
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+        seen.append((bool(manager.buffers), [r["stashed"] for r in manager.plan()]))
+    stashed = [True, True, True, False]
+    assert seen == [(False, stashed), (True, stashed), (False, stashed), (True, stashed),
+                    (True, stashed)], seen
+
+
+def test_graph_step_replans_when_a_budget_grows(gen):
+    """An over-budget first step grows every layer's budget (0.6 -> 1.0 of the rows, NOTE
+    [adaptive budgets]); the next call measures again, so the plan's budget bytes follow the
+    new budget rows (77 -> 128) instead of sizing the stash by the old ones."""
+    import warnings
+
+    import graphstash
+    from graphstash.moe import budget_rows
+
+    config = MoEConfig(hidden=32, ffn=48, num_experts=4, topk=2, layers=4, num_tokens=64,
+                       capacity_factor=0.6, routing="skew:2.0")
+    model = MoEModel(config, mode="stash", seed=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def body(x):
+        loss = (model(x) * x).sum()
+        loss.backward()
+        return loss.detach()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)            # no CUDA: eager calls
+        step = graphstash.graph_step(body, optimizer=opt,
+                                     stash=StashConfig(min_tensor_bytes=0))
+        plans = []
+        for _ in range(3):
+            step(tokens(config.num_tokens, config.hidden, gen))
+            plans.append([r["budget_bytes"] for r in step.stash_manager.plan()])
+    assert step.stats.eager_reruns == 1 and model.budgets.factor_range() == "1"
+    old, new = (budget_rows(64, 2, 4, capacity_factor=f) for f in (0.6, 1.0))
+    assert (old, new) == (77, 128)
+    assert [p[0] * new for p in plans] == [plans[1][0] * old, plans[1][0] * new,
+                                           plans[1][0] * new]

@@ -203,6 +203,13 @@ class StashBuffers:
         for key in self._sizes:
             self.create(key)
 
+    def forget(self) -> None:
+        """Free every buffer and forget every size and demand mark: the next measured step
+        sizes the buffers anew (NOTE [stash plan]: a new plan)."""
+        self._drop_all()
+        self._sizes, self._peak_pages, self._peak_entries = {}, {}, {}
+        self.new_generation()
+
     def _drop_all(self) -> None:
         for buf in self._buffers.values():
             buf.release()

@@ -134,9 +134,19 @@ class StashManager:
 
     def plan(self) -> list[dict]:
         """The stash plan (NOTE [stash plan] in ``plan.py``): one row per layer group of the
-        first measured step, ``{"group", "name", "budget_bytes", "live_bytes", "stashed",
-        "why"}``; empty before any warmup step measured demand."""
+        measured step it was made from (the first, or the first after :meth:`replan`),
+        ``{"group", "name", "budget_bytes", "live_bytes", "stashed", "why"}``; empty before any
+        step measured demand."""
         return [dict(row) for row in self.scheduler.plan.rows]
+
+    def replan(self) -> None:
+        """Make the plan again: the buffers are freed, the next complete step keeps every
+        group's tensors and measures them (as the first warmup step did), and the plan and the
+        buffers are made from it. :func:`graphstash.graph_step` calls it when a layer's
+        dispatch budget changes (the budget-sized tensors change with it; NOTE [stash
+        plan])."""
+        forbid_capture("StashManager.replan()")
+        self.scheduler.replan()
 
     def plan_table(self, fmt: str = "text") -> str:
         """:meth:`plan` as a table (bytes in MiB) in ``fmt``: ``"text"`` or ``"md"``."""

@@ -1,16 +1,31 @@
 """What a stash takes: which saved tensors of a group are budget-shaped, and whether stashing
 pays at all (the stash plan).
 
-NOTE [stash plan]: stashing lowers the peak only where the budget holds dead rows. At the
-start of backward a plain step holds every group's budget-sized tensors; a stashing step holds
-the pool (``device_factor x`` the live rows of the stashed groups), the last group (kept) and
-one reloaded group at budget size. So with ``B`` a group's budget bytes and ``V`` its live
-bytes, stashing saves ``sum(B - device_factor * V)`` over the stashed groups and costs the
-largest ``B`` as the reload's working set. The first warmup step measures both (its groups
-keep their tensors and note their demand anyway); under ``policy="auto"`` the manager stashes
-from then on only if the saving exceeds the cost, else it leaves every group to autograd and
-creates no pool (on one GPU a dropless budget of exactly ``T x K`` rows has no dead rows, so
-there the stash steps aside). :meth:`StashManager.plan` shows the measurement and the choice.
+NOTE [stash plan]: stashing lowers the peak only where the budget holds dead rows, and only
+where the pool it adds is not what sets the peak. A stashed group's budget-sized tensors leave
+the device between its forward and its backward, and its live rows sit in the pool
+(``device_factor x`` the live bytes), which is created before the step and held for all of it.
+So with ``B`` a group's budget bytes and ``V`` its live bytes, stashing lowers the memory of
+the step by ``B - device_factor * V`` while the group is away and raises it by
+``device_factor * V`` everywhere else: at the end of backward most of all, where a step holds
+every gradient. Measured on two H100s (qwen3-30b-a3b widths, expert parallel, 8 layers,
+capacity factor 1.25; docs/exchange.md, "The stash at expert parallelism"): without the stash
+the peak came at the start of backward (5.0 GiB of saved tensors, 0.6 GiB of gradients); with
+every group stashed, at the end of backward (the 3.2 GiB pool beside 4.5 GiB of gradients),
+2.9 GiB higher.
+
+The first warmup step measures what the plan needs: its groups keep their tensors and note
+their demand (``B`` and ``V``), and on a GPU the allocator's bytes in use are read at every
+group's forward end (``F``), every group's backward start (``B``) and the end of each backward
+pass (``E``), a host read with no sync. :func:`predicted_peak` replays those levels with a set
+of groups stashed: a stashed group's ``B`` is gone from the event after its ``F`` until its
+``B``, the pool is added throughout, and one group's ``B`` at each backward start as the
+reload's working set (a prefetch can bring it in before the group before it is done). Under
+``policy="auto"`` the plan stashes the first ``k`` groups in forward order (they are away the
+longest) for the ``k`` with the lowest predicted peak, and none unless that is below the
+step's own; each group's row says why. Without levels (the CPU) it stashes every group or
+none, by the start of backward alone: the saving ``sum(B - device_factor * V)`` against the
+largest ``B``. :meth:`StashManager.plan` shows the measurement and the choice.
 
 NOTE [last group kept]: when the recorded schedule says a group's backward directly follows
 its own forward (the last layer before the loss), stashing it would copy rows out and back
@@ -23,6 +38,8 @@ from ..tables import Column, Table
 from ._group import Group
 from ._schedule import Event, kept_last
 from .config import StashConfig
+
+MIB = 2 ** 20
 
 
 def classify(group: Group, page_size: int) -> None:
@@ -54,6 +71,38 @@ def classify(group: Group, page_size: int) -> None:
                 e.record_len = L.H_HEADER + S + S * (-(-budget // page_size))
 
 
+def predicted_peak(timeline: list, stashed, budget: dict, live: dict, factor: float) -> float:
+    """The highest level of a measured step's ``timeline`` with the groups ``stashed`` stashed
+    (NOTE [stash plan]).
+
+    Args:
+        timeline: ``[(kind, gid, bytes), ...]`` in step order: ``"F"`` a group's forward
+            ended, ``"B"`` its backward started, ``"E"`` a backward pass ended (gid unused),
+            each with the bytes in use then, measured with nothing stashed.
+        stashed: the gids stashed.
+        budget, live: ``{gid: bytes}`` of each group's budget-sized tensors and of their live
+            rows.
+        factor: the pool's size over the live bytes it holds (``device_factor``).
+    """
+    stashed = set(stashed)
+    pool = factor * sum(live[g] for g in stashed)
+    reload = max((budget[g] for g in stashed), default=0)
+    away, leaving = set(), set()
+    peak = 0.0
+    for kind, gid, level in timeline:
+        away |= leaving             # the originals go at the next schedule point
+        leaving = set()
+        if kind == "F" and gid in stashed:
+            leaving.add(gid)
+        elif kind == "B":
+            away.discard(gid)
+        here = level + pool - sum(budget[g] for g in away)
+        if kind == "B" and stashed:
+            here += reload
+        peak = max(peak, here)
+    return peak
+
+
 class StashPlan:
     """The stash plan (NOTE [stash plan]): made once, from the first measured step.
 
@@ -61,48 +110,89 @@ class StashPlan:
         rows: one dict per layer group of that step, ``{"group", "name", "budget_bytes",
             "live_bytes", "stashed", "why"}`` (empty before it is made).
         keep_all: True when no group is stashed (``policy="never"``, or the plan said so).
+        predicted: ``(peak without stashing, peak with the plan)`` in bytes, from the
+            measured levels (None without them).
     """
 
     def __init__(self, policy: str):
         self.rows: list[dict] = []
         self.made = False
         self.keep_all = policy == "never"
+        self.predicted: tuple[float, float] | None = None
+        self._stashed: set[int] = set()
 
-    def make(self, events: list[Event], groups: list[Group], config: StashConfig) -> None:
-        """Decide from the step's events and its groups' measured bytes whether stashing pays."""
+    def stashes(self, gid: int) -> bool:
+        """Whether group ``gid`` is stashed: every group until the plan is made (its demand is
+        measured), then the plan's choice."""
+        return not self.made or gid in self._stashed
+
+    def make(self, events: list[Event], groups: list[Group], config: StashConfig,
+             timeline: list | None = None) -> None:
+        """Decide from the step's events, its groups' measured bytes and, where measured, the
+        bytes in use along the step (``timeline``, as :func:`predicted_peak` takes it) which
+        groups are stashed."""
         last = kept_last(events)
         f = config.device_factor
-        rows, saving, cost = [], 0.0, 0
-        for g in groups:
-            budget = sum(b for b, _ in g.plan_bytes.values())
-            live = sum(v for _, v in g.plan_bytes.values())
-            rows.append({"group": g.gid, "name": g.name, "budget_bytes": budget,
-                         "live_bytes": live, "stashed": False})
-            if g.gid not in last:
-                saving += budget - f * live
-                cost = max(cost, budget)
+        budget = {g.gid: sum(b for b, _ in g.plan_bytes.values()) for g in groups}
+        live = {g.gid: sum(v for _, v in g.plan_bytes.values()) for g in groups}
+        order = {gid: i for i, (kind, gid, _) in enumerate(events) if kind == "F"}
+        candidates = sorted((g.gid for g in groups if g.gid not in last),
+                            key=lambda gid: order.get(gid, gid))
         policy = config.policy
-        stash = policy == "always" or (policy == "auto" and saving > cost)
-        if policy == "auto" and saving >= 0:
-            why = (f"saves {saving / 2**20:.1f} MiB of budget rows, costs {cost / 2**20:.1f} "
-                   "MiB for a reload")
-        elif policy == "auto":          # the pool would hold more than the rows it frees
-            why = (f"its pool costs {-saving / 2**20:.1f} MiB more than the budget rows it "
-                   f"frees, and {cost / 2**20:.1f} MiB for a reload")
+        usable = bool(timeline) and any(kind == "E" for kind, _, _ in timeline) and all(
+            gid in order for gid in candidates)
+        if policy != "auto":
+            chosen = set(candidates) if policy == "always" else set()
+            why = {gid: f"policy={policy!r}" for gid in candidates}
+        elif usable:
+            chosen, why = self._by_levels(timeline, candidates, budget, live, f)
         else:
-            why = f"policy={policy!r}"
-        for r in rows:
-            last_group = r["group"] in last
-            r["stashed"] = stash and not last_group
-            r["why"] = "last group before backward: kept" if last_group else why
-        self.rows = rows
+            saving = sum(budget[g] - f * live[g] for g in candidates)
+            cost = max((budget[g] for g in candidates), default=0)
+            chosen = set(candidates) if saving > cost else set()
+            if saving >= 0:
+                text = (f"saves {saving / MIB:.1f} MiB of budget rows, costs {cost / MIB:.1f} "
+                        "MiB for a reload")
+            else:                       # the pool would hold more than the rows it frees
+                text = (f"its pool costs {-saving / MIB:.1f} MiB more than the budget rows it "
+                        f"frees, and {cost / MIB:.1f} MiB for a reload")
+            why = {gid: text for gid in candidates}
+        self.rows = [{"group": g.gid, "name": g.name, "budget_bytes": budget[g.gid],
+                      "live_bytes": live[g.gid], "stashed": g.gid in chosen,
+                      "why": "last group before backward: kept" if g.gid in last
+                      else why[g.gid]} for g in groups]
+        self._stashed = chosen
         self.made = True
-        self.keep_all = not stash
+        self.keep_all = not chosen
+
+    def _by_levels(self, timeline, candidates, budget, live, f):
+        """The first ``k`` candidates whose stashing gives the lowest predicted peak (NOTE
+        [stash plan]); ``(chosen gids, {gid: why})``."""
+        peaks = [predicted_peak(timeline, candidates[:k], budget, live, f)
+                 for k in range(len(candidates) + 1)]
+        k = min(range(len(peaks)), key=lambda i: (peaks[i], i))
+        self.predicted = (peaks[0], peaks[k])
+        chosen = set(candidates[:k])
+        if k:
+            text = (f"first {k} of {len(candidates)}: predicted step peak "
+                    f"{peaks[0] / MIB:.0f} -> {peaks[k] / MIB:.0f} MiB")
+        else:
+            best = min(peaks[1:], default=peaks[0])
+            text = (f"stashing would raise the predicted step peak: {peaks[0] / MIB:.0f} -> "
+                    f"{best / MIB:.0f} MiB at best (its pool beside the gradients)")
+        why = {}
+        for gid in candidates:
+            if gid in chosen or not k:
+                why[gid] = text
+            else:
+                why[gid] = (f"kept: stashing more than the first {k} would raise the predicted "
+                            "step peak (the pool is held to the end of backward)")
+        return chosen, why
 
     def table(self, fmt: str = "text") -> str:
         """:attr:`rows` as a table (bytes in MiB) in ``fmt``: ``"text"`` or ``"md"``."""
-        return Table(_PLAN, fmt).render([[r["group"], str(r["name"]), r["budget_bytes"] / 2**20,
-                              r["live_bytes"] / 2**20, "yes" if r["stashed"] else "no",
+        return Table(_PLAN, fmt).render([[r["group"], str(r["name"]), r["budget_bytes"] / MIB,
+                              r["live_bytes"] / MIB, "yes" if r["stashed"] else "no",
                               r["why"]] for r in self.rows])
 
 

@@ -107,6 +107,9 @@ class GroupScheduler:
         self.tracer: StashTrace | None = None    # the open trace() (NOTE [introspection])
         self._deferred_error: Exception | None = None   # raised by a release-time prefetch
         self.plan = StashPlan(buffers.config.policy)    # NOTE [stash plan]
+        self._timeline: list = []         # (kind, gid, bytes in use) until the plan is made
+        self._end_queued = False          # a backward pass's end will add an "E" level
+        self._remeasure = False           # replan(): groups note demand though buffers exist
 
     @property
     def pack_stream(self):
@@ -151,6 +154,16 @@ class GroupScheduler:
         self._groups = {}
         self._step_open = False
 
+    def replan(self) -> None:
+        """Forget the plan, the buffers and their sizes: the next complete step keeps every
+        group's tensors and measures them again, and the plan and the buffers are made anew
+        from it (NOTE [stash plan]). Outside a capture, between steps."""
+        self.join()
+        self.invalidate()
+        self.plan = StashPlan(self.buffers.config.policy)
+        self._remeasure = True
+        self.buffers.forget()
+
     def invalidate(self) -> None:
         """Buffers change under the step: its handles are stale, its groups forgotten."""
         self.close_step()
@@ -167,6 +180,8 @@ class GroupScheduler:
         self._had_backward = False
         self._step += 1
         self._schedule.start_step()
+        self._timeline = []
+        self._end_queued = False
         self._step_open = True
 
     def _finish_step(self) -> None:
@@ -176,10 +191,34 @@ class GroupScheduler:
         demand = {g.gid: g.demand for g in tracked if g.demand}
         if demand and not self.plan.made and complete:
             self.plan.make(self._schedule.events, [g for g in tracked if g.demand],
-                           self.buffers.config)
+                           self.buffers.config, timeline=self._timeline)
+            self._remeasure = False
+            demand = {gid: d for gid, d in demand.items() if self.plan.stashes(gid)}
+        self._timeline = []
         if demand and not self.plan.keep_all:
             for key, (pages, entries) in replay_demand(self._schedule.events, demand).items():
                 self.buffers.note_peak(key, pages, entries)
+
+    def _level(self, kind: str, gid: int) -> bool:
+        """Add the bytes in use to the timeline the plan is made from (NOTE [stash plan]):
+        on a GPU, until the plan is made, outside a capture. Returns whether it did."""
+        if self.plan.made or not self._cuda or is_capturing():
+            return False
+        self._timeline.append((kind, gid, torch.cuda.memory_allocated(self.buffers.device)))
+        return True
+
+    def _queue_backward_end(self) -> None:
+        """Have autograd add an ``"E"`` level when this backward pass ends (every gradient of
+        the pass accumulated)."""
+        def done():
+            self._end_queued = False
+            self._level("E", -1)
+
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(done)
+        except RuntimeError:            # not inside a backward pass: no end to measure
+            return
+        self._end_queued = True
 
     def _steps_apart(self) -> bool:
         """True when every group of the open step has run its backward (NOTE [implicit steps])."""
@@ -213,7 +252,7 @@ class GroupScheduler:
         scope = group.scopes[-1]
         if (not movable(t, self.buffers.device) or t.dim() < (1 if scope.segments == 1 else 2)
                 or t.numel() * t.element_size() < self.buffers.config.min_tensor_bytes
-                or not t.is_contiguous()
+                or not t.is_contiguous() or not t.is_floating_point()
                 or (scope.segments > 1 and t.shape[0] != scope.segments)):
             return Kept(t)              # NOTE [in-place check] in graphstash/_saved/version.py
         dedup_key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
@@ -241,9 +280,11 @@ class GroupScheduler:
             return                       # the forward raised: keep everything, stash nothing
         classify(group, self.buffers.config.page_size)
         index = self._schedule.add(("F", group.gid, group.name))
+        self._level("F", group.gid)
         group.f_index = index
         following = self._schedule.next_after(index)
-        if following == ("B", group.gid, group.name) or (self.plan.keep_all and self.plan.made):
+        if (following == ("B", group.gid, group.name) and not self._remeasure) \
+                or not self.plan.stashes(group.gid):
             group.entries = None         # NOTE [last group kept] / [stash plan], [entry cycle]
             return
         candidates = [e for e in entries if e.layout is not None]
@@ -252,7 +293,7 @@ class GroupScheduler:
             return
         to_stash = []
         for e in candidates:
-            if self.buffers.ensure(e.key):
+            if not self._remeasure and self.buffers.ensure(e.key):
                 to_stash.append(e)
             else:
                 self._note_demand(group, e)
@@ -374,6 +415,8 @@ class GroupScheduler:
             if group.step == self._step:
                 self._had_backward = True
                 group.b_index = self._schedule.add(("B", group.gid, group.name))
+                if self._level("B", group.gid) and not self._end_queued:
+                    self._queue_backward_end()
             self._retire_pending()
         if entry.stashed:
             if not group.reload_issued:
