@@ -203,36 +203,3 @@ def test_a_new_plan_is_measured_after_replan(gen):
     assert seen == [(False, stashed), (True, stashed), (False, stashed), (True, stashed),
                     (True, stashed)], seen
 
-
-def test_graph_step_replans_when_a_budget_grows(gen):
-    """An over-budget first step grows every layer's budget (0.6 -> 1.0 of the rows, NOTE
-    [adaptive budgets]); the next call measures again, so the plan's budget bytes follow the
-    new budget rows (77 -> 128) instead of sizing the stash by the old ones."""
-    import warnings
-
-    import graphstash
-    from graphstash.moe import budget_rows
-
-    config = MoEConfig(hidden=32, ffn=48, num_experts=4, topk=2, layers=4, num_tokens=64,
-                       capacity_factor=0.6, routing="skew:2.0")
-    model = MoEModel(config, mode="stash", seed=5)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def body(x):
-        loss = (model(x) * x).sum()
-        loss.backward()
-        return loss.detach()
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)            # no CUDA: eager calls
-        step = graphstash.graph_step(body, optimizer=opt,
-                                     stash=StashConfig(min_tensor_bytes=0))
-        plans = []
-        for _ in range(3):
-            step(tokens(config.num_tokens, config.hidden, gen))
-            plans.append([r["budget_bytes"] for r in step.stash_manager.plan()])
-    assert step.stats.eager_reruns == 1 and model.budgets.factor_range() == "1"
-    old, new = (budget_rows(64, 2, 4, capacity_factor=f) for f in (0.6, 1.0))
-    assert (old, new) == (77, 128)
-    assert [p[0] * new for p in plans] == [plans[1][0] * old, plans[1][0] * new,
-                                           plans[1][0] * new]

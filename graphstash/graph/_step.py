@@ -667,9 +667,8 @@ class GraphStep:
     # call that finds an owner's version changed since the last one drops the graphs and runs
     # one eager step first: at the new sizes an expert-parallel exchange may need a larger
     # region, which is built by a collective at an eager forward, and a compiled model
-    # recompiles there. The stash's budget-sized tensors change with the budgets, so its plan
-    # is made again (StashManager.replan: that eager step measures, NOTE [stash plan]). The
-    # next call recaptures. ``on_overflow`` runs after the growth; returning False vetoes it
+    # recompiles there. The stash keeps its plan (NOTE [stash plan] says why). The next call
+    # recaptures. ``on_overflow`` runs after the growth; returning False vetoes it
     # (the budgets are restored), and it may set budgets itself.
     def _check_budgets(self) -> None:
         changed = False
@@ -682,8 +681,6 @@ class GraphStep:
             self._stats.budget_changes += 1
         if self.graphed:
             self._drop_graphs()
-        if self._manager is not None and hasattr(self._manager, "replan"):
-            self._manager.replan()        # the budget-sized tensors changed (NOTE [stash plan])
         # eager: a compiled model recompiles for the new sizes here, never inside a capture
         self._eager_pending = max(self._eager_pending, 1)
 

@@ -142,9 +142,9 @@ class StashManager:
     def replan(self) -> None:
         """Make the plan again: the buffers are freed, the next complete step keeps every
         group's tensors and measures them (as the first warmup step did), and the plan and the
-        buffers are made from it. :func:`graphstash.graph_step` calls it when a layer's
-        dispatch budget changes (the budget-sized tensors change with it; NOTE [stash
-        plan])."""
+        buffers are made from it (NOTE [stash plan]). Call it between steps, outside a
+        capture; the measuring step must run eagerly (a capture refuses to measure, with a
+        :class:`~graphstash.errors.CaptureError` that says so)."""
         forbid_capture("StashManager.replan()")
         self.scheduler.replan()
 

@@ -215,6 +215,12 @@ def run(args) -> int:
 
         group, dev = _join_ranks(dev)
         rank = dist.get_rank(group)
+        if dev.type == "cuda":
+            # every kernel compiled before the first exchange: a rank compiling while the other
+            # waits in one could reach the exchange's timeout
+            from .bench.moe_ep import prepare
+
+            prepare(dev)
     leader = rank == 0
     dtype = torch.bfloat16 if on_gpu else torch.float32
     graphed = args.mode != "dropless"
