@@ -28,12 +28,11 @@ none, by the start of backward alone: the saving ``sum(B - device_factor * V)`` 
 largest ``B``. :meth:`StashManager.plan` shows the measurement and the choice.
 
 The plan is made once. :meth:`StashManager.replan` makes it again from the next step, but
-``graph_step`` does not call it when a dispatch budget grows: measured on two H100s (the bench
-above, 200 steps under ``zipf:1.2`` and ``drift``), a plan made again after the budgets grew
-stashed groups whose pool, sized from that one step, overflowed a few steps later under the
-changing routing: one more dropless rerun, and the timed peak 4.5 and 8.6 GiB higher, than
-keeping the first plan. Live rows hardly depend on the budget, so the first measurement's
-pool stays right; what it cannot see is a larger budget's dead rows.
+``graph_step`` does not call it when a dispatch budget grows. Measured on two H100s (the
+expert-parallel bench, qwen3-30b-a3b widths, 8 layers, 200 steps), with the plan made again
+after the budgets grew, the stash row under ``zipf:1.2`` and ``drift`` had one stash overflow
+and one more dropless rerun than the same row without the stash, and a peak 4.4 and 8.4 GiB
+higher (27360 and 31421 MiB against 22831); keeping the first plan, it has neither.
 
 NOTE [last group kept]: when the recorded schedule says a group's backward directly follows
 its own forward (the last layer before the loss), stashing it would copy rows out and back
