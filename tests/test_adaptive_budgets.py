@@ -97,6 +97,45 @@ def test_sustained_skew_reruns_at_most_four_times_in_forty_steps_on_two_gloo_ran
     assert results[0]["factors"] == results[1]["factors"]        # every rank, the same budgets
 
 
+def _one_rank_over(rank: int, world: int) -> dict:
+    """Four ranks, rank 0's experts favoured: only rank 0 receives more rows than its budget.
+    A probe with its own status says whose dispatch went over (before any reduction); then
+    README's model trains under graph_step beside a dropless eager run."""
+    import torch.distributed as dist
+
+    from graphstash.status import StepStatus
+
+    group = dist.group.WORLD
+    steps = 12
+    batches = _batches(rank, steps)
+    own = StepStatus("cpu")
+    probe = MoEModel(_config(layers=1), group=group, seed=5, status=own.tensor)
+    probe(batches[0][0])
+    over = [None] * world
+    dist.all_gather_object(over, own.read()["over_budget"], group=group)
+    ref, _ = _train(MoEModel(_config(), group=group, mode="dropless", seed=5), batches,
+                    graphed=False, world=world)
+    model = MoEModel(_config(), group=group, seed=5)                # as README shows it
+    losses, step = _train(model, batches, graphed=True, world=world)
+    worst = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses, ref))
+    s = step.stats
+    return {"over": over, "stats": (s.steps, s.eager_reruns, s.over_budget, s.budget_changes),
+            "worst": worst}
+
+
+@pytest.mark.slow
+def test_one_rank_over_budget_of_four_takes_every_rank_through_the_same_rerun():
+    """Only rank 0's budget overflows; every rank reruns the same step dropless, applies its
+    update once (losses equal the dropless run's at every step) and counts the same."""
+    results = [eval(r) for r in run_ranks(_one_rank_over, 4)]
+    assert results[0]["over"] == [True, False, False, False], results[0]
+    for r in results:
+        steps, reruns, over_budget, _ = r["stats"]
+        assert steps == 12 and 1 <= reruns <= 4 and over_budget == reruns, r
+        assert r["worst"] <= 1e-5, r
+    assert len({r["stats"] for r in results}) == 1, results
+
+
 # ---- the policy, on one process ----------------------------------------------------------
 def _observe(budgets, key, rows, need, *, flagged, avg=100, world=2):
     """Pretend a dispatch of ``avg`` average rows ran, then hand the step's need over."""

@@ -12,21 +12,31 @@ from _grad_checks import assert_far_from_zero, named_grads, projected_loss, proj
 from _moe_data import tokens
 
 
-def _train(config: MoEConfig, policy: str, gen, steps: int = 2):
+def _pair(config: MoEConfig, policy: str = "auto"):
+    """A CPU stash manager, a stash-mode model on it and the budget-mode model it must equal."""
     manager = StashManager(StashConfig(min_tensor_bytes=0, policy=policy), device="cpu")
-    model = MoEModel(config, mode="stash", stash_manager=manager, seed=5)
-    ref = MoEModel(config, mode="budget", seed=5)
-    for _ in range(steps):
-        x = tokens(config.num_tokens, config.hidden, gen) / config.num_tokens
-        proj = projection((config.num_tokens, config.hidden), gen)   # reaches every parameter
-        manager.begin_step()
-        with manager:
-            projected_loss(model(x), proj).backward()
-        manager.end_step()
-        projected_loss(ref(x), proj).backward()
+    return (manager, MoEModel(config, mode="stash", stash_manager=manager, seed=5),
+            MoEModel(config, mode="budget", seed=5))
+
+
+def _step_both(manager, model, ref, config: MoEConfig, gen) -> None:
+    """One step of both models on one batch; their gradients equal bitwise, and far from 0."""
+    x = tokens(config.num_tokens, config.hidden, gen) / config.num_tokens
+    proj = projection((config.num_tokens, config.hidden), gen)   # reaches every parameter
+    manager.begin_step()
+    with manager:
+        projected_loss(model(x), proj).backward()
+    manager.end_step()
+    projected_loss(ref(x), proj).backward()
     assert_far_from_zero(named_grads(ref))
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+def _train(config: MoEConfig, policy: str, gen, steps: int = 2):
+    manager, model, ref = _pair(config, policy)
+    for _ in range(steps):
+        _step_both(manager, model, ref, config, gen)
     return manager
 
 
@@ -178,26 +188,15 @@ def test_a_new_plan_is_measured_after_replan(gen):
     plan and the buffers come back from it; the gradients stay equal to the budget model's
     through all of it (the stashed, measuring and re-stashed steps)."""
     config = _config(3.0)
-    manager = StashManager(StashConfig(min_tensor_bytes=0), device="cpu")
-    model = MoEModel(config, mode="stash", stash_manager=manager, seed=5)
-    ref = MoEModel(config, mode="budget", seed=5)
+    manager, model, ref = _pair(config)
     seen = []
     for i in range(5):
         if i == 2:
             manager.replan()
             assert manager.plan() == [] and manager.buffers == {}
-        x = tokens(config.num_tokens, config.hidden, gen) / config.num_tokens
-        proj = projection((config.num_tokens, config.hidden), gen)
         for m in (model, ref):
             m.zero_grad(set_to_none=True)
-        manager.begin_step()
-        with manager:
-            projected_loss(model(x), proj).backward()
-        manager.end_step()
-        projected_loss(ref(x), proj).backward()
-        assert_far_from_zero(named_grads(ref))
-        for a, b in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+        _step_both(manager, model, ref, config, gen)
         seen.append((bool(manager.buffers), [r["stashed"] for r in manager.plan()]))
     stashed = [True, True, True, False]
     assert seen == [(False, stashed), (True, stashed), (False, stashed), (True, stashed),
