@@ -143,7 +143,7 @@ def test_gradients_that_outgrow_the_saved_rows_keep_every_group():
     so the plan stashes nothing, and says why."""
     plan = _plan(8, budget=0.56, live=0.45, grads=1.0)
     assert not any(r["stashed"] for r in plan.rows) and plan.keep_all
-    assert "raise the predicted step peak" in plan.rows[0]["why"]
+    assert "would not lower the measured step's peak" in plan.rows[0]["why"]
     assert "last group" in plan.rows[-1]["why"]
     before, after = plan.predicted
     assert after == before

@@ -181,19 +181,19 @@ class StashPlan:
         self.predicted = (peaks[0], peaks[k])
         chosen = set(candidates[:k])
         if k:
-            text = (f"first {k} of {len(candidates)}: predicted step peak "
-                    f"{peaks[0] / MIB:.0f} -> {peaks[k] / MIB:.0f} MiB")
+            text = (f"first {k} of {len(candidates)}: the measured step's peak "
+                    f"{peaks[0] / MIB:.0f} -> {peaks[k] / MIB:.0f} MiB predicted")
         else:
             best = min(peaks[1:], default=peaks[0])
-            text = (f"stashing would raise the predicted step peak: {peaks[0] / MIB:.0f} -> "
-                    f"{best / MIB:.0f} MiB at best (its pool beside the gradients)")
+            text = (f"stashing would not lower the measured step's peak: {peaks[0] / MIB:.0f} "
+                    f"-> {best / MIB:.0f} MiB predicted at best (the pool beside the gradients)")
         why = {}
         for gid in candidates:
             if gid in chosen or not k:
                 why[gid] = text
             else:
                 why[gid] = (f"kept: stashing more than the first {k} would raise the predicted "
-                            "step peak (the pool is held to the end of backward)")
+                            "peak (the pool is held to the end of backward)")
         return chosen, why
 
     def table(self, fmt: str = "text") -> str:
