@@ -202,3 +202,17 @@ def test_a_new_plan_is_measured_after_replan(gen):
     assert seen == [(False, stashed), (True, stashed), (False, stashed), (True, stashed),
                     (True, stashed)], seen
 
+
+
+def test_a_group_the_measured_step_lacked():
+    """Without levels the plan is all or nothing, and a group the measured step did not have
+    follows it; a plan by levels stashes a prefix, and a later group is kept."""
+    from graphstash.stash.plan import StashPlan
+
+    groups = [_Measured(g, 1.0, 0.3) for g in range(4)]
+    by_start = StashPlan("auto")
+    by_start.make(_events(4), groups, StashConfig())              # no levels (the CPU)
+    assert [by_start.stashes(g) for g in range(6)] == [True] * 3 + [False, True, True]
+    by_levels = _plan(8, budget=1.0, live=0.5, grads=0.6)          # the first 3 stashed
+    assert by_levels.stashes(0) and not by_levels.stashes(8) and not by_levels.stashes(9)
+    assert _plan(4, 1.0, 0.3, 0.01, policy="always").stashes(7)

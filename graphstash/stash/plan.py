@@ -127,11 +127,19 @@ class StashPlan:
         self.keep_all = policy == "never"
         self.predicted: tuple[float, float] | None = None
         self._stashed: set[int] = set()
+        self._measured: set[int] = set()
+        self._unseen = False              # what a group the measured step lacked gets
 
     def stashes(self, gid: int) -> bool:
         """Whether group ``gid`` is stashed: every group until the plan is made (its demand is
-        measured), then the plan's choice."""
-        return not self.made or gid in self._stashed
+        measured), then the plan's choice; a group the measured step did not have, as the
+        plan decided for all (without levels) or not (a plan by levels stashes a prefix of
+        the groups, and a group past them comes later still)."""
+        if not self.made:
+            return True
+        if gid in self._measured:
+            return gid in self._stashed
+        return self._unseen
 
     def make(self, events: list[Event], groups: list[Group], config: StashConfig,
              timeline: list | None = None) -> None:
@@ -169,6 +177,8 @@ class StashPlan:
                       "why": "last group before backward: kept" if g.gid in last
                       else why[g.gid]} for g in groups]
         self._stashed = chosen
+        self._measured = {g.gid for g in groups}
+        self._unseen = bool(chosen) and (policy == "always" or not usable)
         self.made = True
         self.keep_all = not chosen
 

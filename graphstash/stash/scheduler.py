@@ -250,7 +250,7 @@ class GroupScheduler:
         """The saved-tensor pack hook: budget-sized candidates become an :class:`Entry`,
         anything else is kept as it is. Integer and bool tensors are kept: they are indices
         and masks (a compiled graph saves ``rows < live`` masks of budget length), whose rows
-        past the counts are not garbage no backward reads, as a reload leaves them."""
+        past the counts mean something, and a reload does not bring those rows back."""
         scope = group.scopes[-1]
         if (not movable(t, self.buffers.device) or t.dim() < (1 if scope.segments == 1 else 2)
                 or t.numel() * t.element_size() < self.buffers.config.min_tensor_bytes
