@@ -10,9 +10,9 @@ the step by ``B - device_factor * V`` while the group is away and raises it by
 ``device_factor * V`` everywhere else: at the end of backward most of all, where a step holds
 every gradient. Measured on two H100s (qwen3-30b-a3b widths, expert parallel, 8 layers,
 capacity factor 1.25; docs/exchange.md, "The stash at expert parallelism"): without the stash
-the peak came at the start of backward (5.0 GiB of saved tensors, 0.6 GiB of gradients); with
-every group stashed, at the end of backward (the 3.2 GiB pool beside 4.5 GiB of gradients),
-2.9 GiB higher.
+the peak came early in backward (5.0 GiB of saved tensors, 0.6 GiB of gradients); with every
+group but the last stashed, at the end of backward (the 3.2 GiB pool beside 4.5 GiB of
+gradients), 2.8 GiB higher.
 
 The first warmup step measures what the plan needs: its groups keep their tensors and note
 their demand (``B`` and ``V``), and on a GPU the allocator's bytes in use are read at every
