@@ -216,3 +216,27 @@ def test_a_group_the_measured_step_lacked():
     by_levels = _plan(8, budget=1.0, live=0.5, grads=0.6)          # the first 3 stashed
     assert by_levels.stashes(0) and not by_levels.stashes(8) and not by_levels.stashes(9)
     assert _plan(4, 1.0, 0.3, 0.01, policy="always").stashes(7)
+
+
+def test_the_levels_are_read_at_every_group_and_at_the_end_of_backward(gen):
+    """The scheduler reads its meter at each group's forward end and backward start and, from
+    a callback autograd runs when the backward pass ends, once more: the plan is then made by
+    levels (on the CPU there is no meter unless one is given; here a flat one), and the
+    meter is not read again once the plan is made."""
+    config = _config(3.0)
+    manager, model, ref = _pair(config)
+    kinds = []
+
+    def meter():
+        kinds.append(len(kinds))
+        return 0
+
+    manager.scheduler.memory_meter = meter
+    _step_both(manager, model, ref, config, gen)
+    plan = manager.scheduler.plan
+    assert len(kinds) == 2 * config.layers + 1, kinds      # F x 4, B x 4, E
+    assert plan.predicted is not None                       # made by levels
+    assert "measured step's peak" in plan.rows[0]["why"]
+    assert plan.predicted[1] <= plan.predicted[0]
+    _step_both(manager, model, ref, config, gen)           # stashes by that plan, exactly
+    assert len(kinds) == 2 * config.layers + 1             # read while measuring only

@@ -107,6 +107,10 @@ class GroupScheduler:
         self.tracer: StashTrace | None = None    # the open trace() (NOTE [introspection])
         self._deferred_error: Exception | None = None   # raised by a release-time prefetch
         self.plan = StashPlan(buffers.config.policy)    # NOTE [stash plan]
+        self.memory_meter = (lambda: torch.cuda.memory_allocated(device)) if self._cuda else None
+        """Bytes in use now (a callable), read along the step the plan is made from (NOTE
+        [stash plan]): the CUDA allocator's on a GPU; None on the CPU, where the plan goes by
+        the start of backward alone."""
         self._timeline: list = []         # (kind, gid, bytes in use) until the plan is made
         self._end_queued = False          # a backward pass's end will add an "E" level
         self._remeasure = False           # replan(): groups note demand though buffers exist
@@ -200,11 +204,12 @@ class GroupScheduler:
                 self.buffers.note_peak(key, pages, entries)
 
     def _level(self, kind: str, gid: int) -> bool:
-        """Add the bytes in use to the timeline the plan is made from (NOTE [stash plan]):
-        on a GPU, until the plan is made, outside a capture. Returns whether it did."""
-        if self.plan.made or not self._cuda or is_capturing():
+        """Add the bytes in use (:attr:`memory_meter`) to the timeline the plan is made from
+        (NOTE [stash plan]): until the plan is made, outside a capture. Returns whether it
+        did."""
+        if self.plan.made or self.memory_meter is None or is_capturing():
             return False
-        self._timeline.append((kind, gid, torch.cuda.memory_allocated(self.buffers.device)))
+        self._timeline.append((kind, gid, self.memory_meter()))
         return True
 
     def _queue_backward_end(self) -> None:
