@@ -1,0 +1,302 @@
+"""Bandwidth of the live-row exchange between the GPUs of one host, beside the ceiling and the
+peers, all in one run.
+
+Under torchrun, one rank per GPU. For each case (row bytes, rows each rank sends, balanced or
+skewed counts) every method moves the same rows:
+
+- ``ceiling``: each rank copies as many contiguous bytes as it sends to the other ranks into
+  the next rank's torch symmetric-memory buffer (``Tensor.copy_`` into the peer's mapped
+  memory): the most a plain copy gets over the links here;
+- ``push``: graphstash's transport push (``gs_xchg_push_v*``: rows gathered by token index and
+  written straight into the receivers' regions), then its barrier, as a dispatch runs it;
+- ``copy_out``: the receiver's gather of the rows it received out of its own region into the
+  permuted buffer (local: the half of a dispatch that does not cross a link);
+- ``nccl``: ``all_to_all_single`` of the same rows with their split sizes;
+- ``vdev`` (``--methods vdev`` alone: it needs the NVSHMEM backend, the others the CUDA one):
+  torch symmetric memory's ``all_to_all_vdev``, or the error that stops it.
+
+Each method is captured in a CUDA graph of ``--inner`` calls (``vdev`` eagerly if it cannot be)
+and replayed ``--reps`` times after a barrier; a rep's time is the slowest rank's. GB/s: the
+bytes a rank sends to other ranks (the largest over the ranks) over that time; ``copy_out``
+counts the bytes it reads. SMs: the largest grid among the method's kernels in one profiled
+call (torch.profiler's trace), capped at the device's multiprocessors.
+
+    torchrun --nproc-per-node 2 benchmarks/probes/exchange_bandwidth.py --json bw.json
+    torchrun --nproc-per-node 2 benchmarks/probes/exchange_bandwidth.py --methods vdev
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from graphstash.moe.exchange import layout as X  # noqa: E402
+
+ROW_BYTES = (4096, 8192, 16384, 28672)
+ROWS = (1024, 8192, 65536)
+COUNTS = ("balanced", "skewed")
+METHODS = ("ceiling", "push", "copy_out", "nccl")
+SKEW = 3.0              # skewed: rank 0 receives SKEW times the rows of any other rank
+
+
+def dest_counts(rows: int, world: int, counts: str) -> list[int]:
+    """Rows this rank sends to each rank (itself included): even, or rank 0 favoured."""
+    weights = [SKEW if counts == "skewed" and r == 0 else 1.0 for r in range(world)]
+    out = [int(rows * w / sum(weights)) for w in weights]
+    out[-1] += rows - sum(out)
+    return out
+
+
+def _graph_ms(fn, reps: int, inner: int, group) -> float:
+    """Median over ``reps`` of the slowest rank's ms per call of ``fn`` (a graph of ``inner``)."""
+    import torch.distributed as dist
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = None
+    with torch.cuda.stream(stream):
+        fn()                                         # warm: any lazy set-up outside capture
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin()
+            for _ in range(inner):
+                fn()
+            graph.capture_end()
+        except RuntimeError:                         # not capturable: timed eagerly
+            graph = None
+    torch.cuda.current_stream().wait_stream(stream)
+    run = graph.replay if graph is not None else (lambda: [fn() for _ in range(inner)])
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        dist.barrier(group=group)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        t = torch.tensor([start.elapsed_time(end) / inner], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        times.append(float(t))
+    return statistics.median(times)
+
+
+def _sms(fn) -> int:
+    """The largest grid among the kernels one call of ``fn`` launches, capped at the SMs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    grids = [e["args"]["grid"] for e in events
+             if e.get("cat") == "kernel" and "grid" in e.get("args", {})]
+    blocks = max((g[0] * g[1] * g[2] for g in grids), default=0)
+    return min(blocks, sms)
+
+
+def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, reps: int,
+             inner: int) -> dict:
+    import torch.distributed as dist
+
+    from graphstash._kernels import moe as moe_ops
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device())
+    width = row_bytes // 2
+    per_dest = dest_counts(rows, world, counts)
+    gen = torch.Generator(device=device).manual_seed(rank * 7919 + rows + row_bytes)
+    src = torch.randn(rows, width, device=device, generator=gen).to(torch.bfloat16)
+    token = torch.randperm(rows, device=device, generator=gen).to(torch.int32)
+    peer = torch.repeat_interleave(torch.arange(world, device=device, dtype=torch.int32),
+                                   torch.tensor(per_dest, device=device))
+    # every sender's rows for a receiver go to rows after those of the ranks before it
+    table = torch.tensor([dest_counts(rows, world, counts) for _ in range(world)])
+    offset = table[:rank].sum(0)                  # rows that lower ranks put in each receiver
+    start = torch.cumsum(torch.tensor([0] + per_dest[:-1]), 0)
+    dest = (torch.arange(rows) - start.repeat_interleave(torch.tensor(per_dest))
+            + offset.repeat_interleave(torch.tensor(per_dest))).to(torch.int32).to(device)
+    count = torch.tensor([rows], dtype=torch.int32, device=device)
+    remote = (rows - per_dest[rank]) * row_bytes
+    received = int(table[:, rank].sum())
+    remote_all = torch.tensor([remote], device=device, dtype=torch.float64)
+    dist.all_reduce(remote_all, op=dist.ReduceOp.MAX, group=group)
+    sent = float(remote_all)
+    out = {"row_bytes": row_bytes, "rows": rows, "counts": counts, "sent_bytes": sent}
+    fns = {}
+    if "ceiling" in methods:
+        fns["ceiling"] = _ceiling(remote, group, device)
+    if "push" in methods:
+        def push():
+            transport.push(X.XF_ROWS, src, token, peer, dest, count, 0, transport.capacity_rows)
+            transport.barrier()
+        fns["push"] = push
+    if "copy_out" in methods:
+        region = transport.field_view(X.XF_ROWS, torch.bfloat16, width, received)
+        permuted = torch.empty(received, width, dtype=torch.bfloat16, device=device)
+        where = torch.arange(received, dtype=torch.int32, device=device)
+        fns["copy_out"] = lambda: moe_ops.gather_rows(permuted, region, where)
+    if "nccl" in methods:
+        ordered = src[token.long()]
+        recv_splits = [int(table[r, rank]) for r in range(world)]
+        recv = torch.empty(received, width, dtype=torch.bfloat16, device=device)
+        fns["nccl"] = lambda: dist.all_to_all_single(recv, ordered, recv_splits, per_dest,
+                                                      group=group)
+    if "vdev" in methods:
+        fns["vdev"] = _vdev(src, token, per_dest, table, rank, group, device)
+    for name, fn in fns.items():
+        if isinstance(fn, str):                      # the error that stopped it
+            out[f"{name}_error"] = fn
+            continue
+        ms = _graph_ms(fn, reps, inner, group)
+        moved = received * row_bytes if name == "copy_out" else sent
+        out[f"{name}_ms"] = ms
+        out[f"{name}_GBps"] = moved / (ms * 1e-3) / 1e9
+        out[f"{name}_sms"] = _sms(fn)
+    if "ceiling_GBps" in out:
+        for name in fns:
+            if name not in ("ceiling", "copy_out") and f"{name}_GBps" in out:
+                out[f"{name}_of_ceiling"] = out[f"{name}_GBps"] / out["ceiling_GBps"]
+    return out
+
+
+def _ceiling(nbytes: int, group, device):
+    """A copy of ``nbytes`` contiguous bytes into the next rank's symmetric-memory buffer."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    n = max(nbytes, 1)
+    buf = symm_mem.empty(n, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buf, group)
+    target = handle.get_buffer((rank + 1) % world, (n,), torch.uint8)
+    local = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
+    keep = (buf, handle)                          # the mapping lives as long as the closure
+
+    def copy():
+        target.copy_(local)
+        return keep
+    return copy
+
+
+def _vdev(src, token, per_dest, table, rank, group, device):
+    """torch symmetric memory's ``all_to_all_vdev`` of the same rows, or its error."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        width = src.shape[1]
+        world = len(per_dest)
+        inp = symm_mem.empty(src.numel(), dtype=src.dtype, device=device)
+        inp.copy_(src[token.long()].reshape(-1))
+        out = symm_mem.empty(int(table.sum(0).max()) * width, dtype=src.dtype, device=device)
+        splits = symm_mem.empty(3, world, dtype=torch.int64, device=device)
+        splits[0].copy_(torch.tensor(per_dest, device=device) * width)
+        name = group.group_name
+        symm_mem.rendezvous(inp, name)
+        symm_mem.rendezvous(out, name)
+        symm_mem.rendezvous(splits, name)
+
+        def call():
+            torch.ops.symm_mem.all_to_all_vdev(inp, out, splits, name)
+        call()
+        torch.cuda.synchronize()
+        return call
+    except Exception as exc:          # noqa: BLE001 - the probe reports why it cannot run
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated: {', '.join(METHODS + ('vdev',))}")
+    parser.add_argument("--row-bytes", default=",".join(map(str, ROW_BYTES)))
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    methods = tuple(m for m in args.methods.split(",") if m)
+    unknown = sorted(set(methods) - set(METHODS) - {"vdev"})
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}")
+    if "vdev" in methods and len(methods) > 1:
+        parser.error("--methods: vdev runs alone (it needs the NVSHMEM backend)")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    group = dist.group.WORLD
+    import torch.distributed._symmetric_memory as symm_mem
+
+    try:
+        symm_mem.set_backend("NVSHMEM" if "vdev" in methods else "CUDA")
+    except (AttributeError, RuntimeError):
+        pass
+    row_bytes = [int(v) for v in args.row_bytes.split(",")]
+    rows = [int(v) for v in args.rows.split(",")]
+    transport = None
+    if "push" in methods or "copy_out" in methods:
+        import graphstash
+        from graphstash.moe.exchange import build_transport
+
+        graphstash.warmup(device)
+        world = dist.get_world_size(group)       # a skewed receiver gets more than it sends
+        transport = build_transport(group, kind="symmetric", device=device,
+                                    capacity_rows=world * max(rows), row_bytes=max(row_bytes),
+                                    max_experts=dist.get_world_size(group))
+    results = []
+    for rb in row_bytes:
+        for n in rows:
+            for c in COUNTS:
+                results.append(run_case(rb, n, c, methods, transport, group, args.reps,
+                                        args.inner))
+                if dist.get_rank() == 0:
+                    print(json.dumps(results[-1]), flush=True)
+    if transport is not None:
+        transport.check()
+        transport.close()
+    if dist.get_rank() == 0:
+        name = torch.cuda.get_device_name(device)
+        print(f"\nexchange bandwidth, {dist.get_world_size()} x {name} (GB/s of the bytes a rank "
+              f"sends to other ranks; SMs: the largest grid of the method's kernels)")
+        cols = list(methods)
+        print("row bytes  rows   counts    " + "  ".join(f"{m:>16}" for m in cols))
+        for r in results:
+            cells = []
+            for m in cols:
+                if f"{m}_error" in r:
+                    cells.append(f"{'error':>16}")
+                else:
+                    cells.append(f"{r[m + '_GBps']:8.1f} ({r[m + '_sms']:3d} SM)")
+            print(f"{r['row_bytes']:>9}  {r['rows']:>5}  {r['counts']:>8}  " + "  ".join(cells))
+        errors = {m: r[f"{m}_error"] for r in results for m in cols if f"{m}_error" in r}
+        for m, e in errors.items():
+            print(f"{m}: {e}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": name, "world": dist.get_world_size(), "results": results},
+                          f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
