@@ -15,7 +15,7 @@ skewed counts) every method moves the same rows:
 - ``vdev`` (``--methods vdev`` alone: it needs the NVSHMEM backend, the others the CUDA one):
   torch symmetric memory's ``all_to_all_vdev``, or the error that stops it.
 
-Each method is captured in a CUDA graph of ``--inner`` calls (``vdev`` eagerly if it cannot be)
+Each method is captured in a CUDA graph of ``--inner`` calls (``vdev``: ``--inner`` eager calls)
 and replayed ``--reps`` times after a barrier; a rep's time is the slowest rank's. GB/s: the
 bytes a rank sends to other ranks (the largest over the ranks) over that time; ``copy_out``
 counts the bytes it reads. SMs: the largest grid among the method's kernels in one profiled
@@ -54,8 +54,9 @@ def dest_counts(rows: int, world: int, counts: str) -> list[int]:
     return out
 
 
-def _graph_ms(fn, reps: int, inner: int, group) -> float:
-    """Median over ``reps`` of the slowest rank's ms per call of ``fn`` (a graph of ``inner``)."""
+def _graph_ms(fn, reps: int, inner: int, group, graphed: bool = True) -> float:
+    """Median over ``reps`` of the slowest rank's ms per call of ``fn``: a CUDA graph of
+    ``inner`` calls, or ``inner`` eager calls (``graphed=False``)."""
     import torch.distributed as dist
 
     stream = torch.cuda.Stream()
@@ -65,14 +66,11 @@ def _graph_ms(fn, reps: int, inner: int, group) -> float:
         fn()                                         # warm: any lazy set-up outside capture
         torch.cuda.synchronize()
         dist.barrier(group=group)
-        try:
+        if graphed:
             graph = torch.cuda.CUDAGraph()
-            graph.capture_begin()
-            for _ in range(inner):
-                fn()
-            graph.capture_end()
-        except RuntimeError:                         # not capturable: timed eagerly
-            graph = None
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(inner):
+                    fn()
     torch.cuda.current_stream().wait_stream(stream)
     run = graph.replay if graph is not None else (lambda: [fn() for _ in range(inner)])
     run()
@@ -163,7 +161,7 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
         if isinstance(fn, str):                      # the error that stopped it
             out[f"{name}_error"] = fn
             continue
-        ms = _graph_ms(fn, reps, inner, group)
+        ms = _graph_ms(fn, reps, inner, group, graphed=name != "vdev")
         moved = received * row_bytes if name == "copy_out" else sent
         out[f"{name}_ms"] = ms
         out[f"{name}_GBps"] = moved / (ms * 1e-3) / 1e9
