@@ -341,13 +341,15 @@ def test_stash_overflow_grows_budget_and_matches_eager():
 
     @graph_step(optimizer=opt, warmup=1,
                 stash=stash.StashConfig(page_size=64, device_factor=0.2, host_tier=False,
-                                        min_tensor_bytes=0))
+                                        min_tensor_bytes=0, policy="always"))
     def train_step(x, y):
         # One stash group per layer (the same ops as model(x)). A single group around the
         # whole model would never stash: its backward directly follows its forward, so the
         # manager keeps its tensors (NOTE [last group kept] in graphstash/stash/plan.py)
-        # and no budget, however small, can overflow. Here layers 0-2 are stashed (3 groups
-        # x 2 saved [512, 64] tensors x 8 pages = 48 pages of demand) and layer 3 is kept.
+        # and no budget, however small, can overflow. policy="always": these rows have no
+        # dead rows to save, so the measured plan would step aside. Here layers 0-2 are
+        # stashed (3 groups x 2 saved [512, 64] tensors x 8 pages = 48 pages of demand) and
+        # layer 3 is kept.
         h = x
         for i, layer in enumerate(model.layers):
             with stash.stash_activations(tokens, name=f"layer{i}"):

@@ -25,7 +25,7 @@ def _memory(rank: int, world: int, argv: list) -> str:
 
 def test_memory_over_two_ranks_reports_every_rank():
     argv = ["memory", "--ep", "2", "--mode", "stash", "--layers", "3", "--capacity-factor",
-            "3.0", "--routing", "skew:1.5"]
+            "3.0", "--routing", "skew:1.5", "--device", "cpu"]
     out, other = (ast.literal_eval(r) for r in run_ranks(_memory, 2, argv))
     assert other == "", other                      # only rank 0 prints
     assert "expert parallel: 2 ranks (MoEModel(config, group=g)), 4 experts each" in out

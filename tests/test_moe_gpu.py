@@ -415,7 +415,10 @@ def test_model_stash_mode_gradients_equal_budget_mode(gen, dtype):
     status = _status("cuda")
     # Default min_tensor_bytes: the float32 capture's masked fallback (without Triton) saves
     # [rows, 1] masks that the eager warmup (per-expert loop) never made; too small to stash.
-    manager = StashManager(StashConfig(copy_blocks=3), device="cuda", status=status)
+    # policy="always": the gradients through stashed rows are what is checked, whatever the
+    # measured plan would choose at this size
+    manager = StashManager(StashConfig(copy_blocks=3, policy="always"), device="cuda",
+                           status=status)
     models = {"budget": MoEModel(config, mode="budget", status=status, seed=3),
               "stash": MoEModel(config, mode="stash", stash_manager=manager, status=status,
                                 seed=3)}

@@ -69,7 +69,7 @@ def _same(a, b, what):
 
 def test_eager_bitwise_interleaved(gen):
     model, inputs, counts = _setup(gen)
-    manager = StashManager(StashConfig(), device="cuda")
+    manager = StashManager(StashConfig(policy="always"), device="cuda")   # every group stashed
     _draw(counts, gen, B // 2, B // 2)
     _eager(model, inputs, counts, manager)                    # warmup: measures demand
     for step in range(3):

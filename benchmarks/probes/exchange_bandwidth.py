@@ -138,7 +138,7 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
     out = {"row_bytes": row_bytes, "rows": rows, "counts": counts, "sent_bytes": sent}
     fns = {}
     if "ceiling" in methods:
-        fns["ceiling"] = _ceiling(remote, group, device)
+        fns["ceiling"] = _ceiling(remote, int(sent), group, device)
     if "push" in methods:
         def push():
             transport.push(X.XF_ROWS, src, token, peer, dest, count, 0, transport.capacity_rows)
@@ -173,14 +173,15 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
     return out
 
 
-def _ceiling(nbytes: int, group, device):
-    """A copy of ``nbytes`` contiguous bytes into the next rank's symmetric-memory buffer."""
+def _ceiling(nbytes: int, largest: int, group, device):
+    """A copy of ``nbytes`` contiguous bytes into the next rank's symmetric-memory buffer
+    (``largest`` bytes on every rank: a rendezvous needs the same size everywhere)."""
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     n = max(nbytes, 1)
-    buf = symm_mem.empty(n, dtype=torch.uint8, device=device)
+    buf = symm_mem.empty(max(largest, n), dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buf, group)
     target = handle.get_buffer((rank + 1) % world, (n,), torch.uint8)
     local = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
@@ -202,15 +203,16 @@ def _vdev(src, token, per_dest, table, rank, group, device):
         inp = symm_mem.empty(src.numel(), dtype=src.dtype, device=device)
         inp.copy_(src[token.long()].reshape(-1))
         out = symm_mem.empty(int(table.sum(0).max()) * width, dtype=src.dtype, device=device)
-        splits = symm_mem.empty(3, world, dtype=torch.int64, device=device)
-        splits[0].copy_(torch.tensor(per_dest, device=device) * width)
+        # torch 2.11: (input, out, in_splits [world], out_splits_offsets [2, world], group)
+        in_splits = symm_mem.empty(world, dtype=torch.int64, device=device)
+        in_splits.copy_(torch.tensor(per_dest, device=device) * width)
+        out_splits = symm_mem.empty(2, world, dtype=torch.int64, device=device)
         name = group.group_name
-        symm_mem.rendezvous(inp, name)
-        symm_mem.rendezvous(out, name)
-        symm_mem.rendezvous(splits, name)
+        for t in (inp, out, in_splits, out_splits):
+            symm_mem.rendezvous(t, name)
 
         def call():
-            torch.ops.symm_mem.all_to_all_vdev(inp, out, splits, name)
+            torch.ops.symm_mem.all_to_all_vdev(inp, out, in_splits, out_splits, name)
         call()
         torch.cuda.synchronize()
         return call
