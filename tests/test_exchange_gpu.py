@@ -208,6 +208,9 @@ def _ranks_gpu(rank: int, world: int, E: int, T: int, full: bool, kind: str = "i
     _plan_matches_reference(transport, E, T, budget, 4, None)
     _plan_matches_reference(transport, E, T, T * K // 2, 3, 6.0)        # over budget
     _eager_cases(transport, E, T, report)
+    transport.push_blocks = 1             # one block strides over every row: the same results
+    _eager_cases(transport, E, T, {})
+    transport.push_blocks = 0
     _dropless_rounds(world, E, T)
     report["bytes"] = _bytes_case(transport, E, T)
     t0 = time.perf_counter()

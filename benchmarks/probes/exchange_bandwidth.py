@@ -9,6 +9,8 @@ skewed counts) every method moves the same rows:
   memory): the most a plain copy gets over the links here;
 - ``push``: graphstash's transport push (``gs_xchg_push_v*``: rows gathered by token index and
   written straight into the receivers' regions), then its barrier, as a dispatch runs it;
+  ``push@N`` the same with at most ``N`` thread blocks (``Transport.push_blocks``; one block
+  per multiprocessor), for each ``N`` of ``--push-blocks``;
 - ``copy_out``: the receiver's gather of the rows it received out of its own region into the
   permuted buffer (local: the half of a dispatch that does not cross a link);
 - ``nccl``: ``all_to_all_single`` of the same rows with their split sizes;
@@ -139,11 +141,9 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
     fns = {}
     if "ceiling" in methods:
         fns["ceiling"] = _ceiling(remote, int(sent), group, device)
-    if "push" in methods:
-        def push():
-            transport.push(X.XF_ROWS, src, token, peer, dest, count, 0, transport.capacity_rows)
-            transport.barrier()
-        fns["push"] = push
+    for name in methods:
+        if name == "push" or name.startswith("push@"):
+            fns[name] = _push(transport, int(name[5:] or 0), src, token, peer, dest, count)
     if "copy_out" in methods:
         region = transport.field_view(X.XF_ROWS, torch.bfloat16, width, received)
         permuted = torch.empty(received, width, dtype=torch.bfloat16, device=device)
@@ -171,6 +171,16 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
             if name not in ("ceiling", "copy_out") and f"{name}_GBps" in out:
                 out[f"{name}_of_ceiling"] = out[f"{name}_GBps"] / out["ceiling_GBps"]
     return out
+
+
+def _push(transport, blocks: int, src, token, peer, dest, count):
+    """The transport's push of the case's rows with at most ``blocks`` blocks (0: all), then
+    its barrier."""
+    def push():
+        transport.push_blocks = blocks
+        transport.push(X.XF_ROWS, src, token, peer, dest, count, 0, transport.capacity_rows)
+        transport.barrier()
+    return push
 
 
 def _ceiling(nbytes: int, largest: int, group, device):
@@ -228,12 +238,18 @@ def main() -> None:
                         help=f"comma-separated: {', '.join(METHODS + ('vdev',))}")
     parser.add_argument("--row-bytes", default=",".join(map(str, ROW_BYTES)))
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--push-blocks", default="16,32",
+                        help="comma-separated block caps: a push@N method for each")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--inner", type=int, default=10)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     methods = tuple(m for m in args.methods.split(",") if m)
     unknown = sorted(set(methods) - set(METHODS) - {"vdev"})
+    if "push" in methods and args.push_blocks:
+        at = methods.index("push") + 1
+        methods = methods[:at] + tuple(f"push@{int(b)}" for b in args.push_blocks.split(",")
+                                       if b) + methods[at:]
     if unknown:
         parser.error(f"--methods: unknown {unknown}")
     if "vdev" in methods and len(methods) > 1:
@@ -254,7 +270,7 @@ def main() -> None:
     row_bytes = [int(v) for v in args.row_bytes.split(",")]
     rows = [int(v) for v in args.rows.split(",")]
     transport = None
-    if "push" in methods or "copy_out" in methods:
+    if any(m.startswith("push") for m in methods) or "copy_out" in methods:
         import graphstash
         from graphstash.moe.exchange import build_transport
 

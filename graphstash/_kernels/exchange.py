@@ -111,7 +111,7 @@ def _exchange_push(table: torch.Tensor, state: torch.Tensor, region: torch.Tenso
                    src_index: torch.Tensor | None, dest_peer: torch.Tensor,
                    dest_row: torch.Tensor, count: torch.Tensor, window_lo: int, window_hi: int,
                    capacity_rows: int, extra_field: int, extra: torch.Tensor | None,
-                   extra_index: torch.Tensor | None) -> None:
+                   extra_index: torch.Tensor | None, max_blocks: int = 0) -> None:
     """Launch ``gs_xchg_push_v*``: copy the live rows of ``src`` into the peers' ``field``.
 
     Args:
@@ -127,6 +127,9 @@ def _exchange_push(table: torch.Tensor, state: torch.Tensor, region: torch.Tenso
             bytes per element, contiguous), each item also copies ``extra[extra_index[i]]``
             (or ``extra[i]``) into ``extra_field`` at the same row (the router weights beside
             their rows: one launch).
+        max_blocks: at most this many thread blocks (the kernel strides over the items), so
+            the push leaves the other multiprocessors to work beside it; 0: one lane group
+            per item.
     """
     rows = src.shape[0]
     items = dest_peer.shape[0]
@@ -136,7 +139,10 @@ def _exchange_push(table: torch.Tensor, state: torch.Tensor, region: torch.Tenso
     width = vector_width(row_bytes, src.data_ptr(), field_base)
     vec_per_row = row_bytes // width
     lanes = lanes_per_row(-(-vec_per_row // _UNROLL))
-    launch(_MODULE, f"gs_xchg_push_v{width}", max(1, -(-items * lanes // THREADS)),
+    blocks = max(1, -(-items * lanes // THREADS))
+    if max_blocks > 0:
+        blocks = min(blocks, max_blocks)
+    launch(_MODULE, f"gs_xchg_push_v{width}", blocks,
            state.device.index,
            (ptr(table), ptr(state), np.int32(world_size), np.int32(rank), np.int32(field),
             ptr(src), np.int32(rows), ptr(src_index) if src_index is not None else _no_ptr(),

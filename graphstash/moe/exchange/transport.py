@@ -59,6 +59,8 @@ class Transport:
         state: int64 ``[XS_SIZE]`` private: barrier epoch, error, bytes moved.
         timeout_s: how long a rank waits for a peer's signal before it gives up.
         group: the process group it was built over (None for in-process ranks).
+        push_blocks: thread blocks a push may use at most (0: as many as it has row groups);
+            peer transports only (docs/exchange.md, "Bandwidth between two GPUs").
     """
 
     def __init__(self, *, kind: str, rank: int, world_size: int, layout: X.RegionLayout,
@@ -78,6 +80,7 @@ class Transport:
         self._on_close = on_close
         self._offsets = layout.offsets()
         self.closed = False
+        self.push_blocks = 0
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(kind={self.kind!r}, rank={self.rank}, "
@@ -307,7 +310,8 @@ class PeerTransport(Transport):
         self._ops().exchange_push(self.table, self.state, self.region, self.world_size,
                                   self.rank, field, self.field_address(field), src, src_index,
                                   dest_peer, dest_row, count, window_lo, window_hi,
-                                  self.capacity_rows, X.XF_WEIGHTS, weights, weights_index)
+                                  self.capacity_rows, X.XF_WEIGHTS, weights, weights_index,
+                                  self.push_blocks)
 
     def _all_reduce_flags(self, flags: torch.Tensor, peaks: torch.Tensor | None) -> None:
         self._ops().exchange_flags(self.table, self.state, self.region, self.world_size,
