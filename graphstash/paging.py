@@ -102,7 +102,8 @@ class _RecordSlots:
 class _Pool:
     """The tensors the kernels work on; both backends take this."""
 
-    dev_pages: torch.Tensor    # uint8 [num_dev, page_bytes], on the device
+    dev_pages: torch.Tensor | None   # uint8 [num_dev, page_bytes], on the device (None: lent
+                                     # pages not taken; NOTE [lent pages])
     host_pages: torch.Tensor   # uint8 [num_host, page_bytes], pinned host memory (CPU for CPU)
     dev_ring: torch.Tensor     # int32 [num_dev] page ids 0..num_dev-1, on the device
     host_ring: torch.Tensor    # int32 [num_host] page ids num_dev..num_dev+num_host-1, on the device
@@ -115,11 +116,11 @@ class _Pool:
 
     @property
     def num_dev(self) -> int:
-        return self.dev_pages.shape[0]
+        return self.dev_ring.shape[0]
 
     @property
     def num_host(self) -> int:
-        return self.host_pages.shape[0]
+        return self.host_ring.shape[0]
 
 
 class PagedTensor:
@@ -225,6 +226,8 @@ class PagedStashBuffer:
             owns one.
         record_entries: int32 entries of the handle-record table (default: enough for every
             page twice over, and at least 65536).
+        lend_pages: the buffer does not hold its device pages: :meth:`take_pages` allocates
+            them and :meth:`give_pages_back` frees them (NOTE [lent pages]).
 
     Example::
 
@@ -238,8 +241,11 @@ class PagedStashBuffer:
 
     def __init__(self, max_tokens: int, hidden_size: int, *, dtype: torch.dtype, device="cuda",
                  page_size: int = 64, host_tokens: int = 0, backend: str = "auto",
-                 status: torch.Tensor | None = None, record_entries: int | None = None):
+                 status: torch.Tensor | None = None, record_entries: int | None = None,
+                 lend_pages: bool = False):
         require_positive_int("max_tokens", max_tokens, allow_zero=True)
+        if not isinstance(lend_pages, bool):
+            raise TypeError(f"lend_pages: expected a bool, got {type(lend_pages).__name__}")
         require_positive_int("hidden_size", hidden_size)
         require_positive_int("page_size", page_size)
         require_positive_int("host_tokens", host_tokens, allow_zero=True)
@@ -269,6 +275,8 @@ class PagedStashBuffer:
         self._last_stream = None      # stream of the last stash/reload/reset
         self._last_captured = False
         self._pool: _Pool | None = None
+        self._lend_pages = lend_pages
+        self._pages_stream = None     # the stream that took lent pages (NOTE [lent pages])
         self._max_tokens = max_tokens
         self._host_tokens = host_tokens
         self._allocate()
@@ -360,13 +368,27 @@ class PagedStashBuffer:
             return 0
         p = self._pool
         return sum(t.numel() * t.element_size() for t in
-                   (p.dev_pages, p.dev_ring, p.host_ring, p.state, p.table))
+                   (p.dev_pages, p.dev_ring, p.host_ring, p.state, p.table) if t is not None)
 
     @property
     def pages_ptr(self) -> int:
-        """Address of the device-tier pages (0 after ``release()``): it changes when the pool
-        is allocated again, which is what benchmarks check between timed steps."""
-        return 0 if self._pool is None else self._pool.dev_pages.data_ptr()
+        """Address of the device-tier pages (0 after ``release()``, and for lent pages not
+        taken): it changes when the pool is allocated again, which is what benchmarks check
+        between timed steps."""
+        if self._pool is None or self._pool.dev_pages is None:
+            return 0
+        return self._pool.dev_pages.data_ptr()
+
+    @property
+    def lend_pages(self) -> bool:
+        """Whether the device pages are lent (NOTE [lent pages]) rather than held."""
+        return self._lend_pages
+
+    @property
+    def pages_taken(self) -> bool:
+        """Whether the device pages exist now: always for held pages (until ``release()``),
+        between :meth:`take_pages` and :meth:`give_pages_back` for lent ones."""
+        return self._pool is not None and self._pool.dev_pages is not None
 
     # ---- lifecycle ----------------------------------------------------------------------
     def _allocate(self) -> None:
@@ -378,7 +400,7 @@ class PagedStashBuffer:
         if status is None:
             status = new_status(device)
         self._pool = _Pool(
-            dev_pages=torch.empty((num_dev, P * self._row_bytes), dtype=torch.uint8, device=device),
+            dev_pages=None if self._lend_pages else self._new_pages(num_dev),
             host_pages=torch.empty((num_host, P * self._row_bytes), dtype=torch.uint8,
                                    pin_memory=pin),
             dev_ring=torch.empty(num_dev, dtype=torch.int32, device=device),
@@ -392,6 +414,47 @@ class PagedStashBuffer:
         )
         self._slots = _RecordSlots(entries)
         self._init_rings(clear_peaks=True)
+
+    def _new_pages(self, num_dev: int) -> torch.Tensor:
+        return torch.empty((num_dev, self._page_size * self._row_bytes), dtype=torch.uint8,
+                           device=self._device)
+
+    # NOTE [lent pages]: a buffer built with ``lend_pages=True`` keeps its rings, state and
+    # record table but not its device pages. take_pages() allocates them on the current
+    # stream (inside a CUDA graph capture, from the graph's own pool) and give_pages_back()
+    # drops them, so their memory returns to the allocator of the stream that took them:
+    # under a capture, later allocations of the same graph reuse it. A stash manager takes a
+    # layer group's pages when the group is stashed and gives them back once its reload is
+    # done (NOTE [pages per group] in graphstash/stash/scheduler.py), so a step holds the
+    # pages of the groups away, not a pool for all of them through the whole step. Giving
+    # pages back is safe only when no stash or reload on them is pending on any stream: the
+    # caller makes the stream that took them wait for the last reload first (the caching
+    # allocator hands freed memory to later work on that stream without further waits).
+    def take_pages(self) -> None:
+        """Allocate lent device pages now, on the current stream; every page is free (a
+        reset() or a completed reload put them on the ring). Capturable."""
+        self._require_live("take_pages")
+        if not self._lend_pages:
+            raise ValueError("take_pages: this buffer holds its pages (built with "
+                             "lend_pages=False)")
+        if self._pool.dev_pages is not None:
+            raise ValueError("take_pages: the pages are taken already; give_pages_back() first")
+        self._pool.dev_pages = self._new_pages(self._pool.num_dev)
+        if self._device.type == "cuda":
+            self._pages_stream = torch.cuda.current_stream(self._device)
+
+    def give_pages_back(self) -> None:
+        """Drop lent device pages (NOTE [lent pages]); the caller has ordered the stream that
+        took them after every stash and reload on them. A no-op when none are taken."""
+        if self._pool is None or not self._lend_pages:
+            return
+        self._pool.dev_pages = None
+        self._pages_stream = None
+
+    @property
+    def pages_stream(self):
+        """The stream that took the lent pages now taken (None otherwise, and on the CPU)."""
+        return self._pages_stream
 
     def _init_rings(self, clear_peaks: bool) -> None:
         # In-place device ops only (fills, a device-to-device copy): capturable, no host read.
@@ -432,6 +495,7 @@ class PagedStashBuffer:
         self._pool = None
         self._slots = None
         self._last_stream = None
+        self._pages_stream = None
         self._generation += 1
 
     def reallocate(self, max_tokens: int | None = None, host_tokens: int | None = None) -> None:
@@ -482,6 +546,12 @@ class PagedStashBuffer:
             raise ReleasedError(f"PagedStashBuffer.{op}: the buffer was released; "
                                 "call reallocate() first")
 
+    def _require_pages(self, op: str) -> None:
+        self._require_live(op)
+        if self._pool.dev_pages is None:
+            raise ReleasedError(f"PagedStashBuffer.{op}: the buffer's lent pages are not taken; "
+                                "call take_pages() first (NOTE [lent pages])")
+
     def _check_backend_capturable(self, op: str) -> bool:
         """Whether the current stream is capturing; raises CaptureError if ``op`` can't be."""
         if self._device.type != "cuda" or not is_capturing():
@@ -513,7 +583,7 @@ class PagedStashBuffer:
             A :class:`PagedTensor`. If the pool could not hold the rows, nothing is stored and
             the status overflow flag is set; reloading that handle writes nothing.
         """
-        self._require_live("stash")
+        self._require_pages("stash")
         S, cap = self._check_x("x", x)
         counts = check_counts("num_tokens", num_tokens, device=self._device, segments=S)
         _check_max_blocks(max_blocks)
@@ -559,7 +629,7 @@ class PagedStashBuffer:
             ``out``: rows ``[0, n)`` hold the stashed rows; other rows are untouched unless
             ``zero_tail``. If the stash had overflowed nothing is written.
         """
-        self._require_live("reload")
+        self._require_pages("reload")
         if not isinstance(handle, PagedTensor):
             raise TypeError(f"handle: expected a graphstash.PagedTensor, got {type(handle).__name__}")
         if handle._buffer is not self:

@@ -70,9 +70,11 @@ def test_bitwise_gradients_lifo(gen, segments):
         _assert_same(ref, _run(model, inputs, counts, order, 1, manager))
     status = manager.read_status()
     assert not status["overflow"]
-    # it really stashed: both row widths have buffers that held pages (all but the last layer)
-    widths = sorted(k[1] for k in manager.buffers)
-    assert widths == [H, FF]
+    # it really stashed: both row widths have buffers that held pages (all but the last layer),
+    # one set per layer group (pool="per_group", the default), every lent page given back
+    widths = sorted({k[-1] for k in manager.buffers})
+    assert widths == [H, FF] and len({k[0] for k in manager.buffers}) >= 2
+    assert not any(b.pages_taken for b in manager.buffers.values())
     assert all(s["peak_pages"] > 0 and s["pages_in_use"] == 0 for s in status["buffers"].values())
 
 
@@ -154,7 +156,7 @@ def test_prefetch_point(gen, prefetch):
 
 def test_first_step_measures_demand_then_sizes(gen):
     model = _model(gen)
-    config = StashConfig(min_tensor_bytes=0, page_size=16, device_factor=1.5)
+    config = StashConfig(min_tensor_bytes=0, page_size=16, device_factor=1.5, pool="shared")
     manager = StashManager(config, device="cpu")
     inputs = make_inputs(1, B, H, generator=gen)
     counts = _counts(gen, 1)
@@ -179,7 +181,8 @@ def test_first_step_measures_demand_then_sizes(gen):
 
 def test_initial_tokens_stashes_from_the_first_step(gen):
     model = _model(gen)
-    manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=8 * B), device="cpu")
+    manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=8 * B, pool="shared"),
+                           device="cpu")
     inputs, counts, order = make_inputs(1, B, H, generator=gen), _counts(gen, 1), one_f_one_b(1, 1)
     ref = _run(model, inputs, counts, order, 1)
     _assert_same(ref, _run(model, inputs, counts, order, 1, manager))
@@ -253,7 +256,7 @@ def test_filter_leaves_params_small_marked_and_odd_tensors(gen):
     for i in (0, 1, 2, 3, 5):        # left alone: the same memory comes back
         assert got[i].data_ptr() == ts[i].data_ptr(), f"tensor {i} should have been left alone"
     assert got[4].data_ptr() != big.data_ptr() and torch.equal(got[4][: B // 3], big[: B // 3])
-    assert list(manager.buffers) == [(torch.float32, 8)]
+    assert list(manager.buffers) == [(0, torch.float32, 8)]     # group 0's own buffer
 
 
 @pytest.mark.parametrize("pinned", [True, False])
@@ -267,12 +270,12 @@ def test_max_tokens_pins_the_budget(gen, pinned):
     with stash_activations(n, manager=manager):
         pass
     pages = -(-(B // 2 + 7) // 64)
-    status = manager.read_status()["buffers"]["float32[4]"]
+    status = manager.read_status()["buffers"]["#0 float32[4]"]
     # pinned: big[:B] and small ([B, 4]) are stashed; inferred: big ([3B, 4]) alone
     assert status["pages_in_use"] == (2 * pages if pinned else pages)
     out.backward()
     manager.end_step()
-    assert manager.read_status()["buffers"]["float32[4]"]["pages_in_use"] == 0
+    assert manager.read_status()["buffers"]["#0 float32[4]"]["pages_in_use"] == 0
 
 
 def test_nested_same_manager_uses_inner_counts(gen):
@@ -403,8 +406,51 @@ def _one_stashed_group(manager, gen):
     return y
 
 
-def test_reload_after_reset_or_release_is_a_clear_error(gen):
+def test_per_group_pages_exist_from_the_stash_until_the_reload(gen):
+    """NOTE [pages per group]: a group's lent pages are taken when its stash is issued and
+    given back when its reload was waited for; its rows come back as they were."""
     manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=1024), device="cpu")
+    manager.begin_step()
+    x = torch.randn(B, 8, generator=gen, requires_grad=True)
+    with stash_activations(torch.tensor([B // 2]), manager=manager):
+        y = x.exp()                                      # saves exp(x): [B, 8]
+    (key, buf), = manager.buffers.items()                # its stash was issued at the exit
+    assert key == (0, torch.float32, 8) and buf.pages_taken and buf.pages_ptr != 0
+    with stash_activations(torch.tensor([B // 2]), manager=manager):
+        pass                                             # a schedule point: group 0 is away
+    assert manager.read_status()["buffers"]["#0 float32[8]"]["pages_in_use"] == -(-(B // 2) // 64)
+    (y[: B // 2].sum()).backward()                      # the reload, then the pages go back
+    assert not buf.pages_taken and buf.pages_ptr == 0
+    assert torch.equal(x.grad[: B // 2], x[: B // 2].exp())
+    manager.end_step()
+    with pytest.raises(ReleasedError, match="take_pages"):
+        buf.stash(torch.zeros(B, 8), torch.tensor([1]))
+
+
+def test_lent_pages_misuse_names_the_call():
+    held = graphstash.PagedStashBuffer(64, 8, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="holds its pages"):
+        held.take_pages()
+    lent = graphstash.PagedStashBuffer(64, 8, dtype=torch.float32, device="cpu", lend_pages=True)
+    assert not lent.pages_taken and lent.device_bytes < held.device_bytes
+    lent.take_pages()
+    with pytest.raises(ValueError, match="taken already"):
+        lent.take_pages()
+    lent.give_pages_back()
+    lent.give_pages_back()                                # a no-op
+    with pytest.raises(TypeError, match="lend_pages"):
+        graphstash.PagedStashBuffer(64, 8, dtype=torch.float32, device="cpu", lend_pages=1)
+
+
+def test_bad_pool_names_the_field():
+    with pytest.raises(ValueError, match="pool"):
+        StashConfig(pool="global")
+
+
+@pytest.mark.parametrize("pool", ["per_group", "shared"])
+def test_reload_after_reset_or_release_is_a_clear_error(gen, pool):
+    manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=1024, pool=pool),
+                           device="cpu")
     manager.begin_step()
     y = _one_stashed_group(manager, gen)
     manager.begin_step()                                 # the rings were reset under it
@@ -419,8 +465,10 @@ def test_reload_after_reset_or_release_is_a_clear_error(gen):
     manager.reallocate()
     y = _one_stashed_group(manager, gen)
     y.sum().backward()                                   # works again
-    buf = manager.buffers[(torch.float32, 8)]
-    assert buf.max_tokens == 1024 and manager.read_status()["buffers"]["float32[8]"]["pages_in_use"] == 0
+    (key, buf), = manager.buffers.items()
+    name = "float32[8]" if pool == "shared" else "#0 float32[8]"
+    assert key[-2:] == (torch.float32, 8) and buf.max_tokens == 1024
+    assert manager.read_status()["buffers"][name]["pages_in_use"] == 0
 
 
 def test_status_is_shared_and_clear_status():
@@ -521,7 +569,8 @@ def test_kept_tensors_are_freed_without_the_cycle_collector(gen):
     try:
         for _ in range(3):      # warmup (everything kept), then stashed with the last group kept
             _run(model, inputs, counts, order, 1, manager)
-        alive = [o for o in gc.get_objects() if type(o) is Group and o.manager is manager]
+        alive = [o for o in gc.get_objects()
+                 if type(o) is Group and o.scheduler is manager.scheduler]
     finally:
         if enabled:
             gc.enable()

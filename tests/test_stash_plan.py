@@ -112,12 +112,12 @@ class _Measured:
         self.plan_bytes = {"k": (int(budget * GIB), int(live * GIB))}
 
 
-def _plan(layers, budget, live, grads, policy="auto"):
+def _plan(layers, budget, live, grads, policy="auto", pool="shared"):
     from graphstash.stash.plan import StashPlan
 
     plan = StashPlan(policy)
     groups = [_Measured(g, budget, live) for g in range(layers)]
-    plan.make(_events(layers), groups, StashConfig(policy=policy),
+    plan.make(_events(layers), groups, StashConfig(policy=policy, pool=pool),
               timeline=_timeline(layers, budget, grads))
     return plan
 
@@ -135,6 +135,20 @@ def test_predicted_peak_replays_the_levels():
     assert predicted_peak(tl, {0}, budget, live, 1.0) == 13.25 * GIB
     # the first group's backward start: 11.5 + the pool (2 x 0.5) + a reload (1.0)
     assert predicted_peak(tl, {0, 1}, budget, live, 2.0) == pytest.approx(13.5 * GIB)
+
+
+def test_per_group_pages_leave_before_the_gradients_arrive():
+    """NOTE [pages per group]: a group's pages exist from its forward end until its backward
+    start, so they are not beside the gradients at the end of backward as a shared pool is."""
+    from graphstash.stash.plan import predicted_peak
+
+    tl = _timeline(3, saved=1.0, grads=2.0)           # levels F 11 12 13, B 13 14 15, E 16
+    budget, live = {g: GIB for g in range(3)}, {g: GIB // 4 for g in range(3)}
+    # shared: the pool (2 x 2 x 0.25) beside every gradient at the end: 16 + 1 = 17
+    assert predicted_peak(tl, {0, 1}, budget, live, 2.0) == pytest.approx(17 * GIB)
+    # per group: at B0 15 + group 0's pages (0.5) + a reload (1); at the end 16
+    assert predicted_peak(tl, {0, 1}, budget, live, 2.0, per_group=True) == \
+        pytest.approx(16.5 * GIB)
 
 
 def test_gradients_that_outgrow_the_saved_rows_keep_every_group():

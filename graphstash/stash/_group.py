@@ -91,6 +91,7 @@ class Group:
         self.reload_issued = False
         self.reload_mark = None             # the reload's event on the unpack stream
         self.reload_waited: set[int] = set()
+        self.lent_keys: list | None = None  # buffers whose lent pages it took (NOTE [pages per group])
         self.backward_started = False
         self.f_index: int | None = None
         self.b_index: int | None = None

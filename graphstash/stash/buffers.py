@@ -26,9 +26,11 @@ from .config import StashConfig
 
 
 def key_name(key) -> str:
-    """``"bfloat16[4096]"`` for the buffer key ``(torch.bfloat16, 4096)``."""
-    dtype, width = key
-    return f"{str(dtype).replace('torch.', '')}[{width}]"
+    """``"bfloat16[4096]"`` for the buffer key ``(torch.bfloat16, 4096)``, ``"#3
+    bfloat16[4096]"`` for group 3's ``(3, torch.bfloat16, 4096)`` (``pool="per_group"``)."""
+    dtype, width = key[-2:]
+    name = f"{str(dtype).replace('torch.', '')}[{width}]"
+    return name if len(key) == 2 else f"#{key[0]} {name}"
 
 
 class StashBuffers:
@@ -68,8 +70,15 @@ class StashBuffers:
     # ---- lookup ---------------------------------------------------------------------------
     @property
     def buffers(self) -> dict:
-        """``{(dtype, row_width): PagedStashBuffer}`` created so far (a copy)."""
+        """``{key: PagedStashBuffer}`` created so far (a copy); a key is ``(dtype, row_width)``,
+        or ``(group, dtype, row_width)`` with ``pool="per_group"``."""
         return dict(self._buffers)
+
+    @property
+    def per_group(self) -> bool:
+        """Whether each layer group has its own buffers, their pages lent (``pool="per_group"``;
+        NOTE [pages per group] in ``scheduler.py``)."""
+        return self.config.pool == "per_group"
 
     def get(self, key) -> PagedStashBuffer:
         """The buffer of ``key`` (it exists: see :meth:`ensure`)."""
@@ -138,12 +147,12 @@ class StashBuffers:
         old = self._buffers.pop(key, None)
         if old is not None:
             old.release()
-        dtype, width = key
+        dtype, width = key[-2:]
         dev_tokens, host_tokens, entries = self._sizes[key]
         buf = PagedStashBuffer(dev_tokens, width, dtype=dtype, device=self.device,
                                page_size=self.config.page_size, host_tokens=host_tokens,
                                backend=self.config.backend, status=self.status,
-                               record_entries=entries)
+                               record_entries=entries, lend_pages=len(key) == 3)
         self._buffers[key] = buf
         return buf
 
@@ -156,6 +165,24 @@ class StashBuffers:
             if key not in self._sizes:
                 self._sizes[key] = self.size_for(key)
                 self.create(key)
+
+    def take_pages(self, key) -> None:
+        """Allocate the lent pages of ``key``'s buffer now, on the current stream (NOTE [lent
+        pages] in ``graphstash/paging.py``); nothing for a buffer that holds its pages."""
+        buf = self._buffers[key]
+        if buf.lend_pages and not buf.pages_taken:
+            buf.take_pages()
+
+    def give_pages_back(self, keys) -> None:
+        """Free the lent pages of the buffers of ``keys``; the caller ordered the streams."""
+        for key in keys:
+            buf = self._buffers.get(key)
+            if buf is not None:
+                buf.give_pages_back()
+
+    def give_all_pages_back(self) -> None:
+        """Free every lent page (a step ends: the caller joined the side streams)."""
+        self.give_pages_back(list(self._buffers))
 
     def reset_rings(self) -> None:
         """Every page back on its ring, for a new step (graph-safe); a new generation."""

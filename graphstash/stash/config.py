@@ -11,6 +11,7 @@ from ..paging import MAX_PAGE_SIZE, MAX_PAGES
 
 PREFETCH_POINTS = ("at_last_unpack", "after_release")
 POLICIES = ("auto", "always", "never")
+POOLS = ("per_group", "shared")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,11 @@ class StashConfig:
         policy: whether groups are stashed at all (NOTE [stash plan] in ``plan.py``):
             ``"auto"`` (default) stashes only when the warmup measurement says it lowers the
             step's peak, ``"always"`` and ``"never"`` force the choice.
+        pool: where stashed rows live (NOTE [pages per group] in ``scheduler.py``):
+            ``"per_group"`` (default) gives each layer group its own buffer whose pages are
+            allocated when the group is stashed, from the step's own memory, and freed once
+            its reload is done; ``"shared"`` gives each (dtype, row width) one buffer whose
+            pages are allocated with it and held across steps.
     """
 
     page_size: int = 64
@@ -55,6 +61,7 @@ class StashConfig:
     copy_blocks: int = 0
     prefetch: str = "at_last_unpack"
     policy: str = "auto"
+    pool: str = "per_group"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -101,6 +108,8 @@ class StashConfig:
             raise ValueError(f"prefetch: expected one of {PREFETCH_POINTS}, got {self.prefetch!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy: expected one of {POLICIES}, got {self.policy!r}")
+        if self.pool not in POOLS:
+            raise ValueError(f"pool: expected one of {POOLS}, got {self.pool!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {self.backend!r}")
         if self.backend == "cupy":

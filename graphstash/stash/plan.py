@@ -2,16 +2,18 @@
 pays at all (the stash plan).
 
 NOTE [stash plan]: stashing lowers the peak only where the budget holds dead rows, and only
-where the pool it adds is not what sets the peak. A stashed group's budget-sized tensors leave
-the device between its forward and its backward, and its live rows sit in the pool
-(``device_factor x`` the live bytes), which is created before the step and held for all of it.
-So with ``B`` a group's budget bytes and ``V`` its live bytes, stashing lowers the memory of
-the step by ``B - device_factor * V`` while the group is away and raises it by
-``device_factor * V`` everywhere else: at the end of backward most of all, where a step holds
-every gradient. Measured on two H100s (qwen3-30b-a3b widths, expert parallel, 8 layers,
-capacity factor 1.25; docs/exchange.md, "The stash at expert parallelism"): without the stash
-the peak came early in backward (5.0 GiB of saved tensors, 0.6 GiB of gradients); with every
-group but the last stashed, at the end of backward (the 3.2 GiB pool beside 4.5 GiB of
+where the pages it adds are not what sets the peak. A stashed group's budget-sized tensors
+leave the device between its forward and its backward, and its live rows sit in pages
+(``device_factor x`` the live bytes). So with ``B`` a group's budget bytes and ``V`` its live
+bytes, stashing lowers the memory of the step by ``B - device_factor * V`` while the group is
+away. Where the pages are is ``StashConfig.pool``: with ``"per_group"`` (NOTE [pages per
+group] in ``scheduler.py``) only while the group is away; with ``"shared"`` in one pool
+created before the step and held for all of it, which raises the memory by ``device_factor *
+V`` everywhere else: at the end of backward most of all, where a step holds every gradient.
+Measured on two H100s (qwen3-30b-a3b widths, expert parallel, 8 layers, capacity factor
+1.25; docs/exchange.md, "The stash at expert parallelism"): without the stash the peak came
+early in backward (5.0 GiB of saved tensors, 0.6 GiB of gradients); with a shared pool and
+every group but the last stashed, at the end of backward (the 3.2 GiB pool beside 4.5 GiB of
 gradients), 2.8 GiB higher.
 
 The first warmup step measures what the plan needs: its groups keep their tensors and note
@@ -19,8 +21,9 @@ their demand (``B`` and ``V``), and on a GPU the allocator's bytes in use are re
 group's forward end (``F``), every group's backward start (``B``) and the end of each backward
 pass (``E``), a host read with no sync. :func:`predicted_peak` replays those levels with a set
 of groups stashed: a stashed group's ``B`` is gone from the event after its ``F`` until its
-``B``, the pool is added throughout, and one group's ``B`` at each backward start as the
-reload's working set (a prefetch can bring it in before the group before it is done). Under
+``B``, its pages are added from its ``F`` to its ``B`` (a shared pool: throughout), and one
+group's ``B`` at each backward start as the reload's working set (a prefetch can bring it in
+before the group before it is done). Under
 ``policy="auto"`` the plan stashes the first ``k`` groups in forward order (they are away the
 longest) for the ``k`` with the lowest predicted peak, and none unless that is below the
 step's own; each group's row says why. Without levels (the CPU) it stashes every group or
@@ -49,8 +52,10 @@ from .config import StashConfig
 MIB = 2 ** 20
 
 
-def classify(group: Group, page_size: int) -> None:
-    """Give every budget-shaped entry of ``group`` its layout, buffer key and record length.
+def classify(group: Group, page_size: int, per_group: bool = False) -> None:
+    """Give every budget-shaped entry of ``group`` its layout, buffer key and record length;
+    the key is ``(dtype, width)``, or ``(group id, dtype, width)`` with ``per_group`` (NOTE
+    [pages per group] in ``scheduler.py``).
 
     NOTE [budget]: a saved tensor is stashed when its leading dimension (rows) or, with ``S``
     counts, its second dimension (rows per segment, after ``S``) is the budget: the
@@ -74,11 +79,12 @@ def classify(group: Group, page_size: int) -> None:
             if e.shape[axis] == budget:
                 width = e.tensor.numel() // (S * budget)
                 e.layout = (S, budget, width)
-                e.key = (e.dtype, width)
+                e.key = (group.gid, e.dtype, width) if per_group else (e.dtype, width)
                 e.record_len = L.H_HEADER + S + S * (-(-budget // page_size))
 
 
-def predicted_peak(timeline: list, stashed, budget: dict, live: dict, factor: float) -> float:
+def predicted_peak(timeline: list, stashed, budget: dict, live: dict, factor: float,
+                   per_group: bool = False) -> float:
     """The highest level of a measured step's ``timeline`` with the groups ``stashed`` stashed
     (NOTE [stash plan]).
 
@@ -90,22 +96,29 @@ def predicted_peak(timeline: list, stashed, budget: dict, live: dict, factor: fl
         budget, live: ``{gid: bytes}`` of each group's budget-sized tensors and of their live
             rows.
         factor: the pool's size over the live bytes it holds (``device_factor``).
+        per_group: each stashed group's pages exist from its forward end until its backward
+            start (``pool="per_group"``), not through the whole step (``"shared"``).
     """
     stashed = set(stashed)
-    pool = factor * sum(live[g] for g in stashed)
+    pool = 0.0 if per_group else factor * sum(live[g] for g in stashed)
     reload = max((budget[g] for g in stashed), default=0)
-    away, leaving = set(), set()
+    away, leaving, lent = set(), set(), set()
     peak = 0.0
     for kind, gid, level in timeline:
         away |= leaving             # the originals go at the next schedule point
         leaving = set()
         if kind == "F" and gid in stashed:
             leaving.add(gid)
+            if per_group:
+                lent.add(gid)
         elif kind == "B":
             away.discard(gid)
-        here = level + pool - sum(budget[g] for g in away)
-        if kind == "B" and stashed:
-            here += reload
+        here = level + pool + factor * sum(live[g] for g in lent) - sum(
+            budget[g] for g in away)
+        if kind == "B":
+            if stashed:
+                here += reload
+            lent.discard(gid)       # its pages are given back once its reload is done
         peak = max(peak, here)
     return peak
 
@@ -160,7 +173,8 @@ class StashPlan:
             chosen = set(candidates) if policy == "always" else set()
             why = {gid: f"policy={policy!r}" for gid in candidates}
         elif usable:
-            chosen, why = self._by_levels(timeline, candidates, budget, live, f)
+            chosen, why = self._by_levels(timeline, candidates, budget, live, f,
+                                          config.pool == "per_group")
         else:
             saving = sum(budget[g] - f * live[g] for g in candidates)
             cost = max((budget[g] for g in candidates), default=0)
@@ -182,10 +196,10 @@ class StashPlan:
         self.made = True
         self.keep_all = not chosen
 
-    def _by_levels(self, timeline, candidates, budget, live, f):
+    def _by_levels(self, timeline, candidates, budget, live, f, per_group):
         """The first ``k`` candidates whose stashing gives the lowest predicted peak (NOTE
         [stash plan]); ``(chosen gids, {gid: why})``."""
-        peaks = [predicted_peak(timeline, candidates[:k], budget, live, f)
+        peaks = [predicted_peak(timeline, candidates[:k], budget, live, f, per_group)
                  for k in range(len(candidates) + 1)]
         k = min(range(len(peaks)), key=lambda i: (peaks[i], i))
         self.predicted = (peaks[0], peaks[k])
@@ -196,14 +210,14 @@ class StashPlan:
         else:
             best = min(peaks[1:], default=peaks[0])
             text = (f"stashing would not lower the measured step's peak: {peaks[0] / MIB:.0f} "
-                    f"-> {best / MIB:.0f} MiB predicted at best (the pool beside the gradients)")
+                    f"-> {best / MIB:.0f} MiB predicted at best")
         why = {}
         for gid in candidates:
             if gid in chosen or not k:
                 why[gid] = text
             else:
-                why[gid] = (f"kept: stashing more than the first {k} would raise the predicted "
-                            "peak (the pool is held to the end of backward)")
+                why[gid] = (f"kept: stashing more than the first {k} would not lower the "
+                            "predicted peak")
         return chosen, why
 
     def table(self, fmt: str = "text") -> str:

@@ -53,6 +53,18 @@ run, at an arbitrary point of a later step. ``Group.entries`` is therefore only 
 scheduler needs it (from the pack hook until the group's stash is issued and its reload
 completed); once it is ``None`` the entries die with autograd's references to them.
 
+NOTE [pages per group]: with ``StashConfig.pool="per_group"`` (the default) every layer group
+stashes into buffers of its own (keys ``(group, dtype, width)``, each sized from that group's
+measured demand) whose pages are lent (NOTE [lent pages] in ``graphstash/paging.py``): they
+are allocated on the compute stream just before the group's stash is issued and freed once
+the compute stream (and the stream that took them) waited for the group's reload, at the
+first unpack of a reloaded tensor; whatever is still taken when a step ends is freed then.
+Under a CUDA graph capture both happen in the graph's own pool, so the memory a reloaded
+group gave back is what the gradients of the layers done after it, and the reloads of the
+groups before it, are allocated from. A pool held through the step (``pool="shared"``) sits
+beside every gradient at the end of backward, where a step that keeps the budget-sized
+tensors holds none of them (docs/exchange.md, "The stash at expert parallelism").
+
 NOTE [capture]: stash, reload, reset and the stream forks and joins are all captured; the
 side streams are forked from the compute stream (``wait_stream``) before every use and joined
 back at schedule points and in ``end_step()``, which must run before a capture ends. Events
@@ -155,6 +167,7 @@ class GroupScheduler:
         if self._step_open:
             self._finish_step()
         self._retiring.drop_all()
+        self.buffers.give_all_pages_back()       # NOTE [pages per group]: the caller joined
         self._groups = {}
         self._step_open = False
 
@@ -177,6 +190,7 @@ class GroupScheduler:
         if reset_rings:
             self.join()
             self._retiring.drop_all()
+            self.buffers.give_all_pages_back()
             self.buffers.create_measured()
             self.buffers.reset_rings()
         self._groups = {}
@@ -285,7 +299,7 @@ class GroupScheduler:
         if not ok:
             group.entries = None         # NOTE [entry cycle]
             return                       # the forward raised: keep everything, stash nothing
-        classify(group, self.buffers.config.page_size)
+        classify(group, self.buffers.config.page_size, self.buffers.per_group)
         index = self._schedule.add(("F", group.gid, group.name))
         self._level("F", group.gid)
         group.f_index = index
@@ -342,6 +356,9 @@ class GroupScheduler:
         tracer, side = self.tracer, self._sides["pack"]
         copy_blocks = self.buffers.config.copy_blocks or None
         group.has_stash = True
+        group.lent_keys = list(dict.fromkeys(e.key for e in entries))
+        for key in group.lent_keys:          # NOTE [pages per group]: on the compute stream
+            self.buffers.take_pages(key)
         try:
             with side.fork():
                 start = tracer.timer(side.stream) if tracer is not None else None
@@ -432,6 +449,7 @@ class GroupScheduler:
             if stream is not None and stream.cuda_stream not in group.reload_waited:
                 self._sides["unpack"].wait(group.reload_mark)
                 group.reload_waited.add(stream.cuda_stream)
+            self._give_pages_back(group)
             entry.saved.check(f"in group {group.label}, after its stash")
             tensor = entry.out
         else:
@@ -444,6 +462,21 @@ class GroupScheduler:
                     and group.b_index is not None and group.step == self._step):
                 self._prefetch_after(group)
         return tensor
+
+    def _give_pages_back(self, group: Group) -> None:
+        """Free the group's lent pages once its reload is waited for (NOTE [pages per group]):
+        the streams that took them wait for the reload first, so the allocator may hand their
+        memory to the next allocation on those streams."""
+        if not group.lent_keys:
+            return
+        for key in group.lent_keys:
+            taken_on = self.buffers.get(key).pages_stream
+            current = torch.cuda.current_stream(self.buffers.device) if self._cuda else None
+            if taken_on is not None and taken_on != current:
+                with torch.cuda.stream(taken_on):
+                    self._sides["unpack"].wait(group.reload_mark)
+        self.buffers.give_pages_back(group.lent_keys)
+        group.lent_keys = None
 
     def _prefetch_after(self, group: Group) -> None:
         following = self._schedule.next_after(group.b_index)
