@@ -123,9 +123,14 @@ def test_graph_capture_replay_bitwise(gen):
         assert all(s["pages_in_use"] == 0 for s in status["buffers"].values())
 
 
-def test_graph_overflow_mid_step_is_flagged_and_harmless(gen):
+@pytest.mark.parametrize("pool", ["shared", "per_group"])
+def test_graph_overflow_mid_step_is_flagged_and_harmless(gen, pool):
     model, inputs, counts = _setup(gen)
-    manager = StashManager(StashConfig(initial_tokens=12 * B, host_tier=False), device="cuda")
+    # shared: 12 x B rows for every group at once; per group: B / 2 rows for each group's
+    # tensor of each width (NOTE [pages per group]); both hold the warmup's counts (<= B / 8)
+    rows = 12 * B if pool == "shared" else B // 2
+    manager = StashManager(StashConfig(initial_tokens=rows, host_tier=False, pool=pool),
+                           device="cuda")
     _draw(counts, gen, B // 8, B // 8)                         # small warmup demand
     graphstash.warmup()
     sentinel = torch.randn(1 << 20, device="cuda")
@@ -140,7 +145,7 @@ def test_graph_overflow_mid_step_is_flagged_and_harmless(gen):
     graph, loss = capture_with_output(stashed)
     grads = [p.grad for p in model.parameters()]
     manager.clear_status()
-    _draw(counts, gen, B // 2, B)                             # far beyond 12 * B rows of pages
+    _draw(counts, gen, B // 2, B)                             # beyond the rows of the pages
     graph.replay()
     torch.cuda.synchronize()
     status = manager.read_status()
