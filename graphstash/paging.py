@@ -379,6 +379,13 @@ class PagedStashBuffer:
             return 0
         return self._pool.dev_pages.data_ptr()
 
+    def tensors(self) -> list:
+        """Every tensor the buffer holds now: pages (device and host), rings, state, status,
+        record table (empty after ``release()``); what a memory report attributes to it."""
+        if self._pool is None:
+            return []
+        return [v for v in vars(self._pool).values() if isinstance(v, torch.Tensor)]
+
     @property
     def lend_pages(self) -> bool:
         """Whether the device pages are lent (NOTE [lent pages]) rather than held."""

@@ -38,11 +38,7 @@ def _stash_tensors(manager) -> list:
     """The manager's status and every tensor of its buffers' pools (pages, rings, tables)."""
     tensors = [manager.status]
     for buf in manager.buffers.values():
-        # PagedStashBuffer keeps its tensors in one ``_pool`` record (None once released);
-        # ``device_bytes`` sums the device part of it.
-        pool = getattr(buf, "_pool", None)
-        if pool is not None:
-            tensors += [v for v in vars(pool).values() if isinstance(v, torch.Tensor)]
+        tensors += buf.tensors()
     return tensors
 
 
