@@ -108,8 +108,13 @@ def run_rank(transport, seed: int, T: int, E: int, device, *, budget, pad, weigh
 
 
 def compare(mine, ref, rank: int, world: int, E: int, *, rtol=1e-5, atol=1e-6,
-            exact: bool = False) -> None:
-    """Assert this rank's results equal the reference's (``exact``: bitwise)."""
+            exact: bool = False, experts_reached: bool = True) -> None:
+    """Assert this rank's results equal the reference's (``exact``: bitwise); the reference
+    gradients this rank compares far from zero: its tokens' and router weights', and its
+    experts' unless ``experts_reached`` is False (a skewed routing that may send no row to
+    this rank's experts)."""
+    from _grad_checks import assert_far_from_zero
+
     (outs, gxs, gws), (gw1, gw2) = ref
     out, gx, gw, g1, g2 = mine[:5]
     El = E // world
@@ -118,6 +123,8 @@ def compare(mine, ref, rank: int, world: int, E: int, *, rtol=1e-5, atol=1e-6,
              ("topk_weight.grad", gw, gws[rank]),
              ("w1.grad", g1, gw1[rank * El:(rank + 1) * El]),
              ("w2.grad", g2, gw2[rank * El:(rank + 1) * El])]
+    checked = pairs[1:] if experts_reached else pairs[1:3]
+    assert_far_from_zero({f"rank {rank} {name}": want for name, _, want in checked})
     for name, got, want in pairs:
         torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"rank {rank} {n}: {m}")
 

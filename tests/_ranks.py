@@ -2,7 +2,9 @@
 error.
 
 Each rank initialises ``torch.distributed`` (gloo, through a file store in a fresh temporary
-directory: no ports to race for), runs ``fn(rank, world_size, *args)``, and writes ``ok`` or
+directory: no ports to race for), takes its share of the CPU cores for torch's threads (ranks
+that outnumber the cores, each spinning as many threads as there are cores, slow every
+collective down several times), runs ``fn(rank, world_size, *args)``, and writes ``ok`` or
 its traceback to ``<dir>/rank<r>.txt``. The parent waits for every process (a generous
 deadline, never part of what is checked) and fails with the text of each rank that failed or
 never finished. Nothing depends on timing: a rank's result is what it wrote.
@@ -23,8 +25,10 @@ def _entry(rank: int, world_size: int, tmp: str, fn, args, env: dict) -> None:
     os.environ.update(env)
     path = os.path.join(tmp, f"rank{rank}.txt")
     try:
+        import torch
         import torch.distributed as dist
 
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}",
                                 rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=300))

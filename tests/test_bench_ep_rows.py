@@ -1,8 +1,12 @@
-"""The expert-parallel bench's rows on the CPU: two gloo ranks build the rows
-``graphstash bench moe --ep 2`` builds (:mod:`graphstash.tools.bench.ep_rows`; the gloo
+"""The expert-parallel bench's rows on the CPU: two gloo ranks (and four, slow) build the rows
+``graphstash bench moe --ep N`` builds (:mod:`graphstash.tools.bench.ep_rows`; the gloo
 transport, eager; ``graph_step`` runs every call eagerly here) at a tiny size, run the same
 three steps on each, and check that
 
+- every row's first step (eager peer, nccl chunks, worst-case buffers, live rows, live rows +
+  stash, and the live rows built by ``MoEModel(config, group=g)`` itself) gives the one-device
+  reference's loss and every gradient (the experts' of this rank, the replicated ones summed
+  over the ranks), the reference gradients far from zero;
 - the live-row rows (``live rows``, ``live rows + stash``) give the worst-case row's losses and
   gradients, and the eager peer's within float32 rounding;
 - the bytes the bench reports for a step (:func:`~graphstash.tools.bench.ep_rows.
@@ -13,6 +17,9 @@ three steps on each, and check that
 
 The data: each rank's batches from :func:`graphstash.tools.training.batches` (seed ``4321 +
 rank``), the model from seed 0 on every row, as the bench does.
+
+``graphstash bench moe --ep 4 --device cpu`` itself, as a user runs it, is the last test here:
+every row finishes and reports its columns, under balanced and skewed routing.
 """
 from __future__ import annotations
 
@@ -22,15 +29,19 @@ import torch
 from graphstash.moe.exchange import layout as X
 from graphstash.status import MAX_STEP_PEAKS
 
-T, H, E, K, LAYERS, CALLS = 12, 16, 4, 2, 2, 3
+from _grad_checks import assert_grads_close
+
+T, H, E, K, LAYERS, CALLS = 12, 16, 8, 2, 2, 3   # E divides over 2, 4 and 8 ranks
 ROW_BYTES, WEIGHT_BYTES = H * 4, 4              # float32 rows and router weights
 
 
-def _config():
+def _config(**over):
     from graphstash.models import MoEConfig
 
-    return MoEConfig(hidden=H, ffn=24, num_experts=E, topk=K, layers=LAYERS, num_tokens=T,
-                     capacity_factor=1.5, gated=True)
+    fields = dict(hidden=H, ffn=24, num_experts=E, topk=K, layers=LAYERS, num_tokens=T,
+                  capacity_factor=1.5, gated=True)
+    fields.update(over)
+    return MoEConfig(**fields)
 
 
 def _routing_of(model):
@@ -45,11 +56,11 @@ def _routing_of(model):
     return seen, handles
 
 
-def _run_row(row, rank, world, batches, own=False):
+def _run_row(row, rank, world, batches, own=False, config=None):
     """Build ``row`` as the bench does, run :data:`CALLS` steps; per call the loss, every
     gradient, the routing of each layer, and the bytes the bench would report. ``own``: the
     live rows as the bench builds them under torchrun, README's ``MoEModel(config, group=g)``
-    building its own transport (no bytes counted)."""
+    building its own transport (no bytes counted). ``config``: default :func:`_config`."""
     import torch.distributed as dist
 
     from graphstash.moe.exchange import build_gloo_transport
@@ -59,7 +70,7 @@ def _run_row(row, rank, world, batches, own=False):
     from graphstash.tools.bench.moe import count_exchange
     from graphstash.tools.training import quiet_cpu_graph_step
 
-    config = _config()
+    config = _config() if config is None else config
     group = dist.group.WORLD
     transport = None
     if row in TRANSPORT_ROWS and not own:
@@ -86,6 +97,9 @@ def _run_row(row, rank, world, batches, own=False):
         calls.append({"loss": loss.clone(),
                       "grads": {n: p.grad.clone() for n, p in run.model.named_parameters()},
                       "routing": seen[-LAYERS:], "bytes": moved})
+        if len(calls) == 1:
+            calls[0]["experts"] = {n for n, p in run.model.named_parameters()
+                                   if any(p is q for q in run.model.expert_parameters())}
         assert len(seen) == LAYERS * len(calls), "a rerun ran the forward again"
     for h in handles:
         h.remove()
@@ -119,6 +133,48 @@ def _live_counts(routing, rank, world):
     return out
 
 
+def _reference_first_call(rank: int, world: int) -> tuple:
+    """The one-device model (every expert, dropless, the rows' seed 0) on every rank's first
+    batch: rank ``rank``'s loss, ``sum_r mean((out_r - y_r)^2)``'s gradients by name (the
+    gradient every rank's loss gives, as the ranks' together), and the expert names."""
+    from graphstash.models import MoEModel
+    from graphstash.tools.training import batches as make_batches
+
+    firsts = [make_batches(_config(), 1, seed=4321 + r, device="cpu", dtype=torch.float32)[0]
+              for r in range(world)]
+    ref = MoEModel(_config(), mode="dropless", seed=0)
+    out = ref(torch.cat([x for x, _ in firsts])).float()
+    losses = [(o - y).pow(2).mean() for o, (_, y) in zip(out.chunk(world), firsts)]
+    sum(losses).backward()
+    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+    return losses[rank].detach(), grads
+
+
+def _check_against_reference(row: str, first: dict, reference: tuple, rank: int,
+                             world: int) -> None:
+    """``row``'s first call against :func:`_reference_first_call`: the loss, this rank's expert
+    slices, the replicated gradients summed over the ranks (a collective: every rank checks
+    the rows in the same order)."""
+    import torch.distributed as dist
+
+    loss, full = reference
+    torch.testing.assert_close(first["loss"], loss, rtol=1e-5, atol=0,
+                               msg=lambda m: f"rank {rank} {row}: loss: {m}")
+    local = E // world
+    got, want = {}, {}
+    for name, g in first["grads"].items():
+        if name in first["experts"]:
+            got[name], want[name] = g, full[name][rank * local:(rank + 1) * local]
+        else:
+            summed = g.clone()
+            dist.all_reduce(summed)
+            got[name], want[name] = summed, full[name]
+    try:
+        assert_grads_close(got, want, rel=1e-5)
+    except AssertionError as exc:
+        raise AssertionError(f"rank {rank} {row}: {exc}") from None
+
+
 def _bench_rows_ranks(rank: int, world: int) -> None:
     from graphstash.tools.training import batches as make_batches
 
@@ -128,6 +184,12 @@ def _bench_rows_ranks(rank: int, world: int) -> None:
     got = {row: _run_row(row, rank, world, batches)
            for row in ("worst-case buffers", "live rows", "live rows + stash", "eager peer")}
     got["live rows, built by the model"] = _run_row("live rows", rank, world, batches, own=True)
+    # NCCL's chunks of every row a rank could send to another: no step over budget to rerun
+    got["nccl chunks"] = _run_row("nccl chunks", rank, world, batches,
+                                  config=_config(chunk_factor=float(world)))
+    reference = _reference_first_call(rank, world)
+    for row, calls in got.items():
+        _check_against_reference(row, calls[0], reference, rank, world)
     worst = got["worst-case buffers"]
     for call in worst:                      # the reference gradients reach every parameter
         for name, g in call["grads"].items():
@@ -169,10 +231,11 @@ def _bench_rows_ranks(rank: int, world: int) -> None:
     assert all(sum(r for _, _, r in c) and sum(m for m, _, _ in c) for c in every_call)
 
 
-def test_bench_rows_agree_and_count_the_live_bytes():
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_bench_rows_equal_the_reference_and_count_the_live_bytes(world):
     from _ranks import run_ranks
 
-    run_ranks(_bench_rows_ranks, 2)
+    run_ranks(_bench_rows_ranks, world)
 
 
 def _bench_loop_ranks(rank: int, world: int):
@@ -192,7 +255,7 @@ def _bench_loop_ranks(rank: int, world: int):
     torch.set_num_threads(1)
     ranks = ProcessRanks(dist.group.WORLD, torch.device("cpu"), launch="torchrun",
                          transport="gloo")
-    config = _config()
+    config = _config(num_experts=4)   # the sent-bytes ratio below holds for these batches
     plan = moe_ep.Plan(moe_ep.Launch("torchrun", world, "gloo"), {"tiny": config}, ROWS,
                        steps=2, fit=(),
                        stash=StashConfig(policy="always", min_tensor_bytes=0, page_size=4))
@@ -291,3 +354,61 @@ def test_expert_parallel_profile_gives_each_rank_its_shares():
     from _ranks import run_ranks
 
     run_ranks(_profile_ranks, 2)
+
+
+# ---- `graphstash bench moe --ep 4 --device cpu`, as a user runs it ------------------------------
+EP4 = ("bench", "moe", "--ep", "4", "--device", "cpu", "--hidden", "16", "--ffn", "24",
+       "--experts", "8", "--topk", "2", "--tokens", "16", "--layers", "2", "--steps", "1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("routing", ["balanced", "skew:1.5"])
+def test_bench_moe_ep_four_gloo_ranks_reports_every_row(tmp_path, routing):
+    """``graphstash bench moe --ep 4 --device cpu`` (four processes over gloo, every row
+    eagerly) in a fresh process, balanced and skewed: every row finishes and reports each of
+    its columns, in the table and in ``--json``; the worst-case row is never over budget, and
+    every step over budget reruns once, the overflows none (nothing here fills a pool)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from graphstash.tools.bench.ep_rows import ROWS, TRANSPORT_ROWS
+    from graphstash.tools.training import WARMUP
+
+    path = tmp_path / "ep4.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-m", "graphstash", *EP4, "--routing", routing,
+                           "--json", str(path)], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=tmp_path)
+    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    entry = json.loads(path.read_text())["moe"]["custom"]
+    assert entry["ep"]["world_size"] == 4 and entry["ep"]["transport"] == "gloo", entry["ep"]
+    assert entry["config"]["routing"] == routing and entry["config"]["num_experts"] == 8
+    results = entry["results"]
+    assert list(results) == list(ROWS)
+    kinds = {"eager peer": "all_to_all (plain peer)", "nccl chunks": "nccl chunks"}
+    for row, r in results.items():
+        assert "error" not in r, (row, r)
+        assert r["exchange"] == kinds.get(row, "live rows over gloo"), (row, r)
+        assert r["calls"] == WARMUP + 1 + 1, (row, r)
+        spread = r["step_ms_spread"]
+        assert 0 < spread["min"] <= r["step_ms"] <= spread["max"], (row, r)
+        assert r["peak_mib"] is None and r["activation_peak_mib"] is None   # no CPU figures
+        assert r["sent_mib"] > 0 and r["local_mib"] >= 0, (row, r)
+        assert (r["meta_kib"] > 0) == (row in TRANSPORT_ROWS), (row, r)
+        for ratio in ("vs_eager_peer", "vs_worst_case", "sent_vs_eager_peer"):
+            assert r[ratio] is not None and r[ratio] > 0, (row, ratio, r)
+        flags = [r[k] for k in ("over_budget", "overflow", "reruns", "recaptures")]
+        assert all(isinstance(f, int) and f >= 0 for f in flags), (row, r)
+        assert r["reruns"] == r["over_budget"] and r["overflow"] == 0, (row, r)
+        assert (r["budgets"] is None) == (row == "eager peer"), (row, r)
+    assert results["worst-case buffers"]["over_budget"] == 0
+    # the table: its title, then one line per row with its step time and flags
+    out = done.stdout
+    assert f"routing {routing}, EP=4 as 4 processes on the CPU over gloo" in out, out
+    for row, r in results.items():
+        line = [x for x in out.splitlines() if x.startswith(row + "  ")]
+        assert len(line) == 1, (row, out)
+        assert f"{r['over_budget']}, 0, {r['reruns']}, {r['recaptures']} of 4 calls" in line[0]
+        assert float(line[0][len(row):].split()[0]) == pytest.approx(r["step_ms"], abs=0.01)

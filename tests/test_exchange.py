@@ -150,7 +150,8 @@ def _gloo_ranks(rank: int, world: int, E: int) -> None:
     # dropless, received in rounds: the region holds one rank's pairs, not a receiver's rows
     small = build_gloo_transport(capacity_rows=T * K, row_bytes=H * 4, max_experts=E)
     mine = run_rank(small, 5, T, E, device, budget=None, pad=3, skew=4.0)
-    compare(mine, reference(5, world, T, E, device, skew=4.0), rank, world, E)
+    compare(mine, reference(5, world, T, E, device, skew=4.0), rank, world, E,
+            experts_reached=False)
     assert small.counters()["barriers"] > 4 * 2          # more than one round each way
 
     # bytes: live rows x row bytes (+ weights), both ways; counts and signals beside them

@@ -1,7 +1,8 @@
-"""Data parallel under graph_step on two GPUs (NCCL): DistributedDataParallel and FSDP2 capture
-once and train as the same eager loop does (NOTE [DDP]).
+"""Data parallel under graph_step on every GPU of the machine (NCCL, one rank per GPU: 2, 4 or
+8, ``_world.WORLD_SIZE``): DistributedDataParallel and FSDP2 capture once and train as the
+same eager loop does (NOTE [DDP]).
 
-Each case runs in its own pair of processes; each rank trains a graphed model and, beside it, an
+Each case runs in its own set of processes; each rank trains a graphed model and, beside it, an
 eager twin with the same wrapper and seeds, on its own data, and writes what it saw to a file.
 A failure shows every rank's own traceback. The CPU (gloo) variant of the eager path is
 test_graph_ddp.py.
@@ -18,9 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _world import WORLD_SIZE as WORLD, require_gpus
+
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
-WORLD, STEPS, WIDTH = 2, 24, 64
-RUNS = 10           # runs of each DDP-on-the-default-stream case in one pair of processes
+STEPS, WIDTH = 24, 64   # every width divides over 8 ranks (FSDP2 shards dim 0)
+RUNS = 10           # runs of each DDP-on-the-default-stream case in one set of processes
 
 
 def _mlp():
@@ -155,6 +158,7 @@ def _spawn(case, out_dir):
 @pytest.mark.parametrize("case", ["ddp_static", "ddp_plain", "ddp_default_stream_static",
                                   "ddp_default_stream", "fsdp2"])
 def test_data_parallel_captures_once_and_equals_eager(case, tmp_path):
+    require_gpus(WORLD)
     results = [run for rank in _spawn(case, str(tmp_path)) for run in rank]
     assert len(results) == WORLD * (RUNS if case.startswith("ddp_default_stream") else 1)
     for r in results:

@@ -11,7 +11,6 @@ import importlib
 import importlib.util
 import inspect
 import os
-import socket
 import sys
 import warnings
 
@@ -401,61 +400,53 @@ def test_over_budget_in_eval_warns_at_the_caller(gen):
 
 
 # ------------------------------------------------------------------------------------------
-# expert parallel (two processes over gloo; the NCCL variant also captures)
+# expert parallel (two processes over gloo; the NCCL variant, one rank per GPU of the machine,
+# also captures)
 # ------------------------------------------------------------------------------------------
-WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ep_worker(rank, port, backend, seed):
+def _ep_worker(rank, world, store, backend, seed):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    os.environ.update(NCCL_NVLS_ENABLE="0")
     on_gpu = backend == "nccl"
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=WORLD,
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             device_id=device if on_gpu else None)
     try:
         gst.register()
-        _ep_case(rank, device, seed)
+        _ep_case(rank, world, device, seed)
         if not on_gpu:
-            _ep_adaptive_case(rank, seed)
+            _ep_adaptive_case(rank, world, seed)
         if on_gpu:
             from test_hf_transformers_gpu import ep_capture_case
 
-            ep_capture_case(rank, device, seed)
+            ep_capture_case(rank, device, seed, world)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _ep_case(rank, device, seed):
+def _ep_case(rank, world, device, seed):
     """Each rank runs its own batch through the sharded model, configured as README shows
     (``configure(model, group=g)``: the live-row exchange, built at the first forward): its
     logits, loss and replicated-parameter gradients equal the full one-device model's on that
-    batch; the gradient of its expert slice equals the full model's, summed over both ranks'
+    batch; the gradient of its expert slice equals the full model's, summed over every rank's
     batches. Both are built and configured on the CPU, then moved to ``device`` (PyTorch's
     usual order): the exchange is built where the model runs."""
     import torch.distributed as dist
 
     ref = tiny_model("qwen3_moe", seed, device=torch.device("cpu"))
     ours = twin(ref, gst.IMPLEMENTATION)
-    names = gst.configure(ours, capacity_factor=float(WORLD), group=dist.group.WORLD)
+    names = gst.configure(ours, capacity_factor=float(world), group=dist.group.WORLD)
     ref.to(device)
     ours.to(device)
-    _ep_compare(ours, ref, names, rank, device, seed)
+    _ep_compare(ours, ref, names, rank, world, device, seed)
     exchange = gst.settings_of(ours.get_submodule(names[0])).exchange
     assert exchange.transport is not None and exchange.transport.device == device, exchange.kind
 
 
-def _ep_adaptive_case(rank, seed):
+def _ep_adaptive_case(rank, world, seed):
     """Under expert parallelism each experts module's budget adapts (NOTE [adaptive budgets]):
     from capacity factor 0.5 the first step goes over budget and reruns, the budgets grow, and
     the steps after fit; the losses equal a model whose budget holds any routing."""
@@ -465,7 +456,7 @@ def _ep_adaptive_case(rank, seed):
 
     ref = tiny_model("qwen3_moe", seed, device=torch.device("cpu"))
     losses, steps = [], []
-    for factor in (0.5, float(WORLD)):
+    for factor in (0.5, float(world)):
         model = twin(ref, gst.IMPLEMENTATION)
         gst.configure(model, capacity_factor=factor, group=dist.group.WORLD)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -488,7 +479,7 @@ def _ep_adaptive_case(rank, seed):
         assert abs(a - b) <= 1e-5 * abs(b), losses
 
 
-def _ep_compare(ours, ref, names, rank, device, seed):
+def _ep_compare(ours, ref, names, rank, world, device, seed):
     import torch.distributed as dist
 
     gen = torch.Generator().manual_seed(seed + 1 + rank)
@@ -497,7 +488,7 @@ def _ep_compare(ours, ref, names, rank, device, seed):
     want = _forward_backward(ref, ids)
     assert_rel_close(got.logits, want.logits, "logits")
     assert_rel_close(got.loss, want.loss, "loss")
-    local = ref.config.num_experts // WORLD
+    local = ref.config.num_experts // world
     sl = slice(rank * local, (rank + 1) * local)
     expert_params = {f"{n}.{p}" for n in names for p in ("gate_up_proj", "down_proj")}
     for (pname, a), b in zip(ours.named_parameters(), ref.parameters()):
@@ -512,9 +503,9 @@ def _ep_compare(ours, ref, names, rank, device, seed):
 
 @pytest.mark.parametrize("backend", ["gloo",
                                      pytest.param("nccl", marks=pytest.mark.multigpu)])
-def test_expert_parallel_equals_one_device(backend):
-    """gloo: the eager case on the CPU; nccl (two GPUs): also captured and replayed
-    (``ep_capture_case`` in test_hf_transformers_gpu.py)."""
+def test_expert_parallel_equals_one_device(backend, tmp_path):
+    """gloo: the eager case on the CPU, two ranks; nccl (one rank per GPU of the machine: 2, 4
+    or 8): also captured and replayed (``ep_capture_case`` in test_hf_transformers_gpu.py)."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -522,7 +513,13 @@ def test_expert_parallel_equals_one_device(backend):
                                           else dist.is_nccl_available())
     if not available:
         pytest.skip(f"needs torch.distributed with {backend}")
-    mp.spawn(_ep_worker, args=(_free_port(), backend, 5), nprocs=WORLD, join=True)
+    from _world import CPU_WORLD, WORLD_SIZE, require_gpus
+
+    world = CPU_WORLD if backend == "gloo" else WORLD_SIZE
+    if backend == "nccl":
+        require_gpus(world)
+    store = str(tmp_path / "store")
+    mp.spawn(_ep_worker, args=(world, store, backend, 5), nprocs=world, join=True)
 
 
 # ------------------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def test_router_jitter_aux_loss_and_mask_capture(gen):
     assert train_step.stats.captures == 1 and train_step.stats.over_budget == 0
 
 
-def ep_capture_case(rank: int, device, seed: int, world: int = 2):
+def ep_capture_case(rank: int, device, seed: int, world: int):
     """Expert parallel under graph_step (fp32, SGD): rank ``r`` trains on its own batches with
     the sharded model (replicated gradients averaged with all_reduce inside the step, expert
     gradients divided by the world size: the gradient of the mean loss over ranks); the control

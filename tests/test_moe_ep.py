@@ -1,17 +1,17 @@
-"""Expert-parallel dispatch/combine over 2 processes, compared with the one-device reference.
+"""Expert-parallel dispatch/combine over W processes, compared with the one-device reference.
 
-Every rank builds the data of both ranks from one seed, runs the expert-parallel path on its
-own tokens (each rank holds half of the experts), and checks its outputs and gradients
+Every rank builds the data of every rank from one seed, runs the expert-parallel path on its
+own tokens (each rank holds ``E / W`` of the experts), and checks its outputs and gradients
 against the one-device dispatch/combine run with all experts: token outputs and router-weight
-gradients per rank, expert-weight gradients summed over both ranks' tokens.
-The CPU variant uses gloo and the reference backend; the GPU variant uses NCCL and the CuPy
-kernels, and also captures the step in a CUDA graph and replays it with changing routing.
+gradients per rank, expert-weight gradients summed over every rank's tokens.
+The CPU variants use gloo and the reference backend, 2 ranks (and 4, slow); the GPU variant
+uses NCCL and the CuPy kernels, one rank per GPU of the machine (``_world.WORLD_SIZE``: 2, 4
+or 8), and also captures the step in a CUDA graph and replays it with changing routing.
 """
 from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 import traceback
 
@@ -27,15 +27,10 @@ from graphstash.moe import NcclChunks, budget_rows, combine, dispatch, grouped_m
 from _faults import exchange_fault
 from _grad_checks import assert_far_from_zero, projected_loss, projection
 from _moe_data import routing, tokens
+from _world import CPU_WORLD, WORLD_SIZE, require_gpus
 
-T, H, E, K, WORLD = 48, 16, 4, 2, 2
+T, H, E, K = 48, 16, 8, 2                   # E divides over 2, 4 and 8 ranks
 TIMEOUT = datetime.timedelta(seconds=120)   # a rank that never arrives fails the others
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _data(seed: int, rank: int, device, dtype, skew=None):
@@ -64,12 +59,12 @@ def _step(x, idx, w, w1, *, group, budget, pad, status, chunk_rows=None, scaled=
     return combine(y, handle)
 
 
-def _reference(seed, device, dtype, skew=None):
-    """One-device results for both ranks: outputs, x/w grads per rank, summed expert grad."""
+def _reference(seed, world, device, dtype, skew=None):
+    """One-device results for every rank: outputs, x/w grads per rank, summed expert grad."""
     w1 = _weights(seed, device, dtype).requires_grad_()
     outs, gxs, gws = [], [], []
     status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)
-    for r in range(WORLD):
+    for r in range(world):
         x, idx, w, grad = _data(seed, r, device, dtype, skew)
         x.requires_grad_(), w.requires_grad_()
         out = _step(x, idx, w, w1, group=None, budget=None, pad=None, status=status)
@@ -79,9 +74,9 @@ def _reference(seed, device, dtype, skew=None):
     return outs, gxs, gws, w1.grad
 
 
-def _check_rank(rank, seed, device, dtype, out, x, w, w1_local, tol, skew=None):
-    outs, gxs, gws, gw1 = _reference(seed, device, dtype, skew)
-    E_l = E // WORLD
+def _check_rank(rank, world, seed, device, dtype, out, x, w, w1_local, tol, skew=None):
+    outs, gxs, gws, gw1 = _reference(seed, world, device, dtype, skew)
+    E_l = E // world
     assert_far_from_zero({"x": gxs[rank], "w": gws[rank],
                           "w1": gw1[rank * E_l:(rank + 1) * E_l]})
     torch.testing.assert_close(out.detach(), outs[rank], **tol)
@@ -90,22 +85,22 @@ def _check_rank(rank, seed, device, dtype, out, x, w, w1_local, tol, skew=None):
     torch.testing.assert_close(w1_local.grad, gw1[rank * E_l:(rank + 1) * E_l], **tol)
 
 
-def _eager_case(rank, device, dtype, group, budget, pad, tol, seed, scaled=False):
+def _eager_case(rank, world, device, dtype, group, budget, pad, tol, seed, scaled=False):
     x, idx, w, grad = _data(seed, rank, device, dtype)
     x.requires_grad_(), w.requires_grad_()
-    E_l = E // WORLD
+    E_l = E // world
     w1 = _weights(seed, device, dtype)[rank * E_l:(rank + 1) * E_l].clone().requires_grad_()
     status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)
     out = _step(x, idx, w, w1, group=group, budget=budget, pad=pad, status=status,
                 scaled=scaled)
     (out * grad).sum().backward()
     assert int(status[L.SS_OVER_BUDGET]) == 0
-    _check_rank(rank, seed, device, dtype, out, x, w, w1, tol)
+    _check_rank(rank, world, seed, device, dtype, out, x, w, w1, tol)
 
 
-def _over_budget_case(rank, device, dtype, group):
-    x, idx, w, _ = _data(7, rank, device, dtype, skew=4.0)   # experts 0, 1 (rank 0) favoured
-    w1 = _weights(7, device, dtype)[:E // WORLD].clone()
+def _over_budget_case(rank, world, device, dtype, group):
+    x, idx, w, _ = _data(7, rank, device, dtype, skew=4.0)   # the lowest experts (rank 0's)
+    w1 = _weights(7, device, dtype)[:E // world].clone()
     status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32, device=device)
     _step(x, idx, w, w1, group=group, budget=16, pad=None, status=status)
     flags = status[L.SS_OVER_BUDGET:L.SS_OVER_BUDGET + 1].clone()
@@ -114,38 +109,45 @@ def _over_budget_case(rank, device, dtype, group):
     assert rank != 0 or int(status[L.SS_OVER_BUDGET]) == 1
 
 
-def _plain_case(rank, device, dtype, group, tol):
-    """The peer (graphstash.models.plain): all_to_all_single with split sizes read back, each
-    rank holding half of the gated experts, equals the one-device peer with all of them."""
+def _plain_case(rank, world, device, dtype, group, tol):
+    """The peer (graphstash.models.plain, the bench's eager peer): all_to_all_single with split
+    sizes read back, each rank holding ``E / W`` of the gated experts, equals the one-device
+    peer with all of them: the output and the gradients of the tokens, the router weights and
+    the rank's experts (the reference's far from zero)."""
     from graphstash.models.plain import plain_moe
 
     gen = torch.Generator().manual_seed(41)
     F = 12
     w1 = ((torch.rand(E, 2 * F, H, generator=gen, dtype=torch.float64) - 0.5) / 4).to(device, dtype)
     w2 = ((torch.rand(E, H, F, generator=gen, dtype=torch.float64) - 0.5) / 4).to(device, dtype)
-    E_l = E // WORLD
-    local = [w[rank * E_l:(rank + 1) * E_l].clone().requires_grad_() for w in (w1, w2)]
+    E_l = E // world
+    mine_experts = slice(rank * E_l, (rank + 1) * E_l)
+    local = [w[mine_experts].clone().requires_grad_() for w in (w1, w2)]
     full = [w.clone().requires_grad_() for w in (w1, w2)]
     x, idx, w, grad = _data(43, rank, device, dtype)
-    x.requires_grad_()
+    x.requires_grad_(), w.requires_grad_()
     out = plain_moe(x, idx, w, *local, E, gated=True, group=group)
     (out * grad).sum().backward()
-    for r in range(WORLD):                       # the one-device reference sees both ranks
+    for r in range(world):                       # the one-device reference sees every rank
         xr, idxr, wr, gr = _data(43, r, device, dtype)
-        xr.requires_grad_()
+        xr.requires_grad_(), wr.requires_grad_()
         ref = plain_moe(xr, idxr, wr, *full, E, gated=True)
         (ref * gr).sum().backward()
         if r == rank:
+            assert_far_from_zero({"x": xr.grad, "topk_weight": wr.grad})
             torch.testing.assert_close(out.detach(), ref.detach(), **tol)
             torch.testing.assert_close(x.grad, xr.grad, **tol)
+            torch.testing.assert_close(w.grad, wr.grad, **tol)
+    assert_far_from_zero({"w1": full[0].grad[mine_experts], "w2": full[1].grad[mine_experts]})
     for mine, ref in zip(local, full):
-        torch.testing.assert_close(mine.grad, ref.grad[rank * E_l:(rank + 1) * E_l], **tol)
+        torch.testing.assert_close(mine.grad, ref.grad[mine_experts], **tol)
 
 
 def _exchange_buffers_case(rank, device, dtype, group):
     """The send and receive buffers of the all-to-all are temporaries of their layer: none is
     alive when the next layer exchanges, none is kept for backward (a budget-mode model of
-    three gated layers, chunks at twice the average rows per rank).
+    three gated layers; its budget and chunks hold every row, capacity and chunk factor W:
+    these tokens all pick nearly the same experts, and nothing here is about dropped rows).
 
     NOTE [deterministic exchange accounting]: the collective itself runs on copies of the
     buffers, so the process group's own references (released by its threads at a time that
@@ -158,8 +160,9 @@ def _exchange_buffers_case(rank, device, dtype, group):
 
     from graphstash.models import MoEConfig, MoEModel
 
+    world = float(dist.get_world_size(group))
     config = MoEConfig(hidden=H, ffn=12, num_experts=E, topk=K, layers=3, num_tokens=T,
-                       capacity_factor=2.0, chunk_factor=2.0, gated=True)
+                       capacity_factor=world, chunk_factor=world, gated=True)
     model = MoEModel(config, mode="budget", group=group, seed=5, device=device, dtype=dtype,
                      exchange=None)                   # the NCCL chunk path
     gen = torch.Generator().manual_seed(50 + rank)
@@ -209,18 +212,19 @@ def _exchange_buffers_case(rank, device, dtype, group):
     assert kept == [], kept
 
 
-def _wrong_exchange_case(rank, device, dtype, group, budget, tol):
+def _wrong_exchange_case(rank, world, device, dtype, group, budget, tol):
     """The expert-parallel check fails when the exchange's backward is wrong: the rows the
     all-to-all brings back in backward scaled by 1.25 (a test-only fault, ``_faults.py``)."""
     with exchange_fault() as fault:
         with pytest.raises(AssertionError):
-            _eager_case(rank, device, torch.float32, group, budget, 4, tol, seed=11)
+            _eager_case(rank, world, device, torch.float32, group, budget, 4, tol, seed=11)
     assert fault.hits > 0, "the exchange fault never fired"
 
 
-def _bad_input_case(device, dtype, group):
+def _bad_input_case(world, device, dtype, group):
     x, idx, w, _ = _data(1, 0, device, dtype)
-    with pytest.raises(ValueError, match="num_experts: expected a multiple of the exchange's 2"):
+    with pytest.raises(ValueError,
+                       match=f"num_experts: expected a multiple of the exchange's {world}"):
         dispatch(x, idx.clamp(max=2), w, 3, budget=64, exchange=NcclChunks(group))
     # the deprecated spelling converts, naming the new call
     with pytest.warns(DeprecationWarning, match=r"exchange=graphstash.moe.NcclChunks\(group"):
@@ -228,52 +232,56 @@ def _bad_input_case(device, dtype, group):
             dispatch(x, idx.clamp(max=2), w, 3, budget=64, group=group)
 
 
-def _worker(rank, port, backend, results_dir):
-    """Run every case on ``rank``; its own error (traceback) goes to ``rank{rank}.err`` in
-    ``results_dir`` (NOTE [the failing rank's own error])."""
+def _worker(rank, world, backend, results_dir):
+    """Run every case on ``rank`` of ``world``; its own error (traceback) goes to
+    ``rank{rank}.err`` in ``results_dir`` (NOTE [the failing rank's own error])."""
     try:
-        _run_cases(rank, port, backend)
+        _run_cases(rank, world, backend, results_dir)
     except BaseException:
         with open(os.path.join(results_dir, f"rank{rank}.err"), "w") as f:
             f.write(f"{time.monotonic_ns()}\n{traceback.format_exc()}")
         raise
 
 
-def _run_cases(rank, port, backend):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+def _run_cases(rank, world, backend, results_dir):
+    os.environ.update(NCCL_NVLS_ENABLE="0")
     on_gpu = backend == "nccl"
     if on_gpu:
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
-    dist.init_process_group(backend, rank=rank, world_size=WORLD, timeout=TIMEOUT,
-                            device_id=device if on_gpu else None)
+    if not on_gpu:
+        torch.set_num_threads(1)   # W ranks share the cores: no thread oversubscription
+    store = f"file://{os.path.join(results_dir, 'store')}"   # no port to race for
+    dist.init_process_group(backend, init_method=store, rank=rank, world_size=world,
+                            timeout=TIMEOUT, device_id=device if on_gpu else None)
     group = dist.group.WORLD
     tol = dict(rtol=1e-5, atol=1e-5)
+    f32 = torch.float32
     try:
-        budget = budget_rows(T * WORLD, K, E, capacity_factor=1.0, pad_multiple=4,
+        budget = budget_rows(T * world, K, E, capacity_factor=1.0, pad_multiple=4,
                              world_size=1)                  # fits any routing
-        _eager_case(rank, device, torch.float32, group, budget, 4, tol, seed=11)
-        _eager_case(rank, device, torch.float32, group, None, None, tol, seed=12)  # dropless
-        _eager_case(rank, device, torch.float32, group, budget, 4, tol, seed=13, scaled=True)
-        _over_budget_case(rank, device, torch.float32, group)
-        _plain_case(rank, device, torch.float32, group, tol)
-        _exchange_buffers_case(rank, device, torch.float32, group)
-        _wrong_exchange_case(rank, device, torch.float32, group, budget, tol)
-        _bad_input_case(device, torch.float32, group)
+        _eager_case(rank, world, device, f32, group, budget, 4, tol, seed=11)
+        _eager_case(rank, world, device, f32, group, None, None, tol, seed=12)  # dropless
+        _eager_case(rank, world, device, f32, group, budget, 4, tol, seed=13, scaled=True)
+        _over_budget_case(rank, world, device, f32, group)
+        _plain_case(rank, world, device, f32, group, tol)
+        _exchange_buffers_case(rank, device, f32, group)
+        _wrong_exchange_case(rank, world, device, f32, group, budget, tol)
+        _bad_input_case(world, device, f32, group)
         if on_gpu:
-            _graph_case(rank, device, group, tol)
-            _graph_case(rank, device, group, tol, scaled=True)
+            _graph_case(rank, world, device, group, tol)
+            _graph_case(rank, world, device, group, tol, scaled=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _graph_case(rank, device, group, tol, scaled=False):
+def _graph_case(rank, world, device, group, tol, scaled=False):
     """Capture dispatch -> experts -> combine -> backward; replay with changing routing."""
     dtype = torch.float32
-    E_l = E // WORLD
+    E_l = E // world
     seed0 = 21
-    budget = budget_rows(T * WORLD, K, E, capacity_factor=1.0, pad_multiple=4)
+    budget = budget_rows(T * world, K, E, capacity_factor=1.0, pad_multiple=4)
     x0, idx0, w0, g0 = _data(seed0, rank, device, dtype)
     static_x = x0.clone().requires_grad_()
     static_w = w0.clone().requires_grad_()
@@ -301,7 +309,7 @@ def _graph_case(rank, device, group, tol, scaled=False):
         graph.replay()
         torch.cuda.synchronize()
         assert int(status[L.SS_OVER_BUDGET]) == 0
-        _check_rank(rank, seed, device, dtype, static_out, static_x, static_w, w1, tol)
+        _check_rank(rank, world, seed, device, dtype, static_out, static_x, static_w, w1, tol)
 
 
 # NOTE [the failing rank's own error]: when one rank fails, the others see only that it went
@@ -312,9 +320,9 @@ _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken p
               "Socket closed", "NCCL communicator was aborted")
 
 
-def _rank_errors(directory) -> str:
+def _rank_errors(directory, world) -> str:
     errors = []
-    for rank in range(WORLD):
+    for rank in range(world):
         path = os.path.join(directory, f"rank{rank}.err")
         if os.path.exists(path):
             with open(path) as f:
@@ -325,26 +333,28 @@ def _rank_errors(directory) -> str:
                      for i, (_, _, rank, text) in enumerate(errors))
 
 
-def _spawn(backend):
+def _spawn(backend, world):
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.spawn(_worker, args=(_free_port(), backend, tmp), nprocs=WORLD, join=True)
+            mp.spawn(_worker, args=(world, backend, tmp), nprocs=world, join=True)
         except mp.ProcessRaisedException as exc:
-            raise AssertionError(_rank_errors(tmp) or str(exc)) from None
+            raise AssertionError(_rank_errors(tmp, world) or str(exc)) from None
         except mp.ProcessExitedException as exc:
-            raise AssertionError(_rank_errors(tmp) or str(exc)) from None
+            raise AssertionError(_rank_errors(tmp, world) or str(exc)) from None
 
 
-def test_expert_parallel_gloo_matches_reference():
+@pytest.mark.parametrize("world", [CPU_WORLD, pytest.param(4, marks=pytest.mark.slow)])
+def test_expert_parallel_gloo_matches_reference(world):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
-    _spawn("gloo")
+    _spawn("gloo", world)
 
 
 @pytest.mark.multigpu
 def test_expert_parallel_nccl_matches_reference_and_replays():
     if not dist.is_nccl_available():
         pytest.skip("needs torch.distributed with NCCL")
-    _spawn("nccl")
+    require_gpus(WORLD_SIZE)
+    _spawn("nccl", WORLD_SIZE)

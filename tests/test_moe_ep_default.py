@@ -1,6 +1,7 @@
 """``MoEModel(config, group=g)`` as README shows it (no ``exchange=``), built then moved, on two
-gloo ranks: equal to NCCL's chunks and to the one-device reference in outputs and every
-gradient (tests/_ep_default.py); and a config cannot change under a model."""
+gloo ranks (and four, slow): equal to NCCL's chunks and to the one-device reference in outputs
+and every gradient (tests/_ep_default.py); experts that do not split evenly over the ranks are
+refused naming the argument; and a config cannot change under a model."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,6 +34,55 @@ def _four_ranks(rank: int, world: int) -> dict:
 def test_default_path_four_gloo_ranks():
     for result in run_ranks(_four_ranks, 4):
         assert "live rows over gloo" in result, result
+
+
+def _six_experts_over_four_ranks(rank: int, world: int) -> str:
+    """6 experts over 4 ranks: every way of building the expert-parallel model, and the
+    exchange factory, refuses them with a ValueError naming the argument, on every rank
+    before any collective (the barrier after them completes: the ranks are still in step)."""
+    import torch.distributed as dist
+
+    from graphstash.moe.exchange import build_gloo_transport, make_exchange
+
+    assert world == 4
+    group = dist.group.WORLD
+    config = MoEConfig(hidden=16, ffn=16, num_experts=6, topk=2, layers=1, num_tokens=8)
+    refused = r"config\.num_experts: expected a multiple of the group size 4, got 6"
+    for kwargs in ({}, {"exchange": None}, {"mode": "plain"}, {"mode": "stash"},
+                   {"mode": "dropless"}):
+        with pytest.raises(ValueError, match=refused):
+            MoEModel(config, group=group, **kwargs)
+    transport = build_gloo_transport(capacity_rows=64, row_bytes=64, max_experts=8)
+    with pytest.raises(ValueError, match=refused):
+        MoEModel(config, exchange=transport)
+    with pytest.raises(ValueError, match="num_experts: expected a multiple of the group's 4 "
+                                         "ranks .*got 6"):
+        make_exchange(group, topk=2, num_experts=6)
+    dist.barrier()
+    transport.close()
+    return "refused"
+
+
+@pytest.mark.slow
+def test_experts_that_do_not_split_over_four_ranks_are_refused():
+    assert run_ranks(_six_experts_over_four_ranks, 4) == ["'refused'"] * 4
+
+
+def test_experts_that_do_not_split_over_a_transports_ranks_are_refused():
+    """The same check in one process: a four-rank transport that never talks to its peers
+    (refused before any collective)."""
+    from graphstash.moe.exchange import GlooTransport
+    from graphstash.moe.exchange import layout as X
+
+    layout = X.RegionLayout(4, 64, 64, 8)
+    transport = GlooTransport(kind="gloo", rank=0, world_size=4, layout=layout,
+                              region=torch.zeros(layout.nbytes, dtype=torch.uint8),
+                              table=torch.zeros(X.XF_FIELDS, 4, dtype=torch.int64),
+                              timeout_s=1.0)
+    config = MoEConfig(hidden=16, ffn=16, num_experts=6, topk=2, layers=1, num_tokens=8)
+    with pytest.raises(ValueError, match=r"config\.num_experts: expected a multiple of the "
+                                         r"group size 4, got 6"):
+        MoEModel(config, exchange=transport)
 
 
 def _rebuilt_on_move(rank: int, world: int) -> str:

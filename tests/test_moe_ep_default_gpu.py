@@ -1,7 +1,7 @@
 """``MoEModel(config, group=g)`` as README shows it, one rank per GPU (NCCL; the live rows over
 torch symmetric memory): built on the CPU, moved to the GPU in float32 and then bfloat16, equal
 to NCCL's chunks and the one-device reference (tests/_ep_default.py). The world size is the
-number of GPUs (2 or 4)."""
+machine's (``_world.WORLD_SIZE``: one rank per GPU, 2, 4 or 8)."""
 from __future__ import annotations
 
 import datetime
@@ -42,9 +42,10 @@ def _entry(rank: int, world: int, tmp: str) -> None:
 
 
 def test_default_path_on_gpus():
-    world = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if world < 2:
-        pytest.skip("needs two or more CUDA GPUs")
+    from _world import WORLD_SIZE, require_gpus
+
+    world = WORLD_SIZE
+    require_gpus(world)
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_entry, args=(world, tmp), nprocs=world, start_method="spawn",
                            join=True)

@@ -66,7 +66,8 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
       transport at the first forward, sized by :func:`receive_rows` from ``topk``,
       ``num_experts``, ``capacity_factor`` (or the largest factor of ``budgets``, a
       :class:`~graphstash.moe.DispatchBudgets`, once a layer grew past it), ``pad_multiple``
-      and ``num_tokens``, and falls back to NCCL's chunks where none can be built.
+      and ``num_tokens``, and falls back to NCCL's chunks where none can be built;
+      ``num_experts`` must be a multiple of the group's ranks (ValueError naming it).
 
     Example: ``exchange = make_exchange(group, topk=8, num_experts=128, capacity_factor=1.25)``.
     """
@@ -124,6 +125,10 @@ class GroupExchange:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        if num_experts % self.world_size:       # here, not as a fallback at the first forward
+            raise ValueError(f"num_experts: expected a multiple of the group's "
+                             f"{self.world_size} ranks (experts are split evenly over the "
+                             f"ranks), got {num_experts}")
         self.topk, self.num_experts = topk, num_experts
         self.capacity_factor, self.pad_multiple = capacity_factor, pad_multiple
         self.num_tokens = num_tokens

@@ -274,6 +274,8 @@ def _process_main(rank: int, world_size: int, device_index, tmp: str,
         on_gpu = device_index is not None
         if on_gpu:
             torch.cuda.set_device(device_index)
+        else:       # the ranks share the cores: each spinning one thread per core, they crawl
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}",
                                 rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
