@@ -47,8 +47,9 @@ class StashConfig:
         pool: where stashed rows live (NOTE [pages per group] in ``scheduler.py``):
             ``"per_group"`` (default) gives each layer group its own buffer whose pages are
             allocated when the group is stashed, from the step's own memory, and freed once
-            its reload is done; ``"shared"`` gives each (dtype, row width) one buffer whose
-            pages are allocated with it and held across steps.
+            its reload is done (a host tier's pinned pages stay allocated, per group);
+            ``"shared"`` gives each (dtype, row width) one buffer whose pages are allocated
+            with it and held across steps.
     """
 
     page_size: int = 64
