@@ -35,7 +35,8 @@ def _default_stack() -> list:
 
 
 class StashManager:
-    """Owns the paged stash buffers (one per dtype and row width), a pack stream, an unpack
+    """Owns the paged stash buffers (one per layer group, dtype and row width, or per dtype
+    and row width: ``StashConfig.pool``), a pack stream, an unpack
     stream and the status tensor shared by all its buffers; drives ``stash_activations``.
 
     Args:
@@ -109,7 +110,9 @@ class StashManager:
 
     @property
     def buffers(self) -> dict:
-        """``{(dtype, row_width): PagedStashBuffer}`` created so far (a copy)."""
+        """``{key: PagedStashBuffer}`` created so far (a copy): ``(group, dtype, row_width)``
+        with ``StashConfig.pool="per_group"`` (the default), ``(dtype, row_width)`` with
+        ``"shared"``."""
         return self._buffers.buffers
 
     @property
