@@ -36,8 +36,8 @@ def _default_stack() -> list:
 
 class StashManager:
     """Owns the paged stash buffers (one per layer group, dtype and row width, or per dtype
-    and row width: ``StashConfig.pool``), a pack stream, an unpack
-    stream and the status tensor shared by all its buffers; drives ``stash_activations``.
+    and row width: ``StashConfig.pool``), a pack stream, an unpack stream and the status
+    tensor shared by all its buffers; drives ``stash_activations``.
 
     Args:
         config: a :class:`StashConfig` (default: ``StashConfig()``).
