@@ -35,3 +35,32 @@ def test_memory_over_two_ranks_reports_every_rank():
     rows = [line.split() for line in table[3:5]]
     assert [r[0] for r in rows] == ["0", "1"]
     assert all(float(r[1]) > float(r[2]) > 0 for r in rows)      # peak above activations
+
+
+def _memory_in_own_group(rank: int, world: int, store: str, argv: list) -> bool:
+    """``memory --ep`` as torchrun starts it, with no group yet: the command initialises the
+    group itself (through a file store here, not a port) and must destroy it before it
+    returns (NOTE [leaving the group]). Returns whether a group is left."""
+    import functools
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()                   # run_ranks' group: not there under torchrun
+    real = dist.init_process_group
+    dist.init_process_group = functools.partial(real, init_method=f"file://{store}",
+                                                rank=rank, world_size=world)
+    try:
+        _memory(rank, world, argv)
+    finally:
+        dist.init_process_group = real
+    left = dist.is_initialized()
+    if not left:                                   # run_ranks destroys its group at the end
+        real("gloo", init_method=f"file://{store}.after", rank=rank, world_size=world)
+    return left
+
+
+def test_memory_destroys_the_group_it_initialised(tmp_path):
+    argv = ["memory", "--ep", "2", "--mode", "budget", "--layers", "1", "--device", "cpu"]
+    left = [ast.literal_eval(r) for r in run_ranks(_memory_in_own_group, 2,
+                                                   str(tmp_path / "store"), argv)]
+    assert left == [False, False]
