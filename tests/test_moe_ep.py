@@ -11,6 +11,7 @@ or 8), and also captures the step in a CUDA graph and replays it with changing r
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import time
 import traceback
@@ -240,10 +241,19 @@ def _worker(rank, world, backend, results_dir):
     except BaseException:
         with open(os.path.join(results_dir, f"rank{rank}.err"), "w") as f:
             f.write(f"{time.monotonic_ns()}\n{traceback.format_exc()}")
-        raise
+        # Not torn down: destroying an NCCL group while the peers wait in a collective can
+        # wait for them forever. The process ends now; mp.spawn then ends the others.
+        os._exit(1)
 
 
 def _run_cases(rank, world, backend, results_dir):
+    # NOTE [a stuck rank's stack]: a rank still running 20 s before the collective timeout
+    # prints where it is, every thread, to stderr (``pytest -s`` shows it): a collective
+    # captured in a CUDA graph has no watchdog, so a replay that waits forever would otherwise
+    # leave nothing to read. A rank that fails ends its process without tearing the group down
+    # (``_worker``), and mp.spawn ends the others: a peer waiting in a captured collective for
+    # the failed rank would otherwise wait forever.
+    faulthandler.dump_traceback_later(TIMEOUT.total_seconds() - 20, exit=False)
     os.environ.update(NCCL_NVLS_ENABLE="0")
     on_gpu = backend == "nccl"
     if on_gpu:
@@ -257,23 +267,22 @@ def _run_cases(rank, world, backend, results_dir):
     group = dist.group.WORLD
     tol = dict(rtol=1e-5, atol=1e-5)
     f32 = torch.float32
-    try:
-        budget = budget_rows(T * world, K, E, capacity_factor=1.0, pad_multiple=4,
-                             world_size=1)                  # fits any routing
-        _eager_case(rank, world, device, f32, group, budget, 4, tol, seed=11)
-        _eager_case(rank, world, device, f32, group, None, None, tol, seed=12)  # dropless
-        _eager_case(rank, world, device, f32, group, budget, 4, tol, seed=13, scaled=True)
-        _over_budget_case(rank, world, device, f32, group)
-        _plain_case(rank, world, device, f32, group, tol)
-        _exchange_buffers_case(rank, device, f32, group)
-        _wrong_exchange_case(rank, world, device, f32, group, budget, tol)
-        _bad_input_case(world, device, f32, group)
-        if on_gpu:
-            _graph_case(rank, world, device, group, tol)
-            _graph_case(rank, world, device, group, tol, scaled=True)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    budget = budget_rows(T * world, K, E, capacity_factor=1.0, pad_multiple=4,
+                         world_size=1)                  # fits any routing
+    _eager_case(rank, world, device, f32, group, budget, 4, tol, seed=11)
+    _eager_case(rank, world, device, f32, group, None, None, tol, seed=12)  # dropless
+    _eager_case(rank, world, device, f32, group, budget, 4, tol, seed=13, scaled=True)
+    _over_budget_case(rank, world, device, f32, group)
+    _plain_case(rank, world, device, f32, group, tol)
+    _exchange_buffers_case(rank, device, f32, group)
+    _wrong_exchange_case(rank, world, device, f32, group, budget, tol)
+    _bad_input_case(world, device, f32, group)
+    if on_gpu:
+        _graph_case(rank, world, device, group, tol)
+        _graph_case(rank, world, device, group, tol, scaled=True)
+    dist.barrier()
+    faulthandler.cancel_dump_traceback_later()
+    dist.destroy_process_group()
 
 
 def _graph_case(rank, world, device, group, tol, scaled=False):
