@@ -1191,8 +1191,8 @@ def graph_step(fn=None, **options):
         on_new_shape: ``"error"`` raises ValueError naming the argument; ``"recapture"`` keeps
             up to ``max_graphs`` graphs (and ``graph_memory_budget`` bytes), least recently
             used dropped first.
-        budget_growth: finite factor > 1 the stash grows by after an overflow
-            (``StashManager.grow``: a new config with ``device_factor x budget_growth``, or
+        budget_growth: finite factor > 1 the stash grows by after every rerun, an overflow's
+            or a step over budget's (``StashManager.grow``: a new config with ``device_factor x budget_growth``, or
             ``host_factor`` for a host-only stash; the config passed in is not changed).
         on_overflow: optional ``callable(flags: dict)`` called after a rerun applied its
             update and the adaptive dispatch budgets grew (NOTE [budgets the step adapts]; it
