@@ -1192,8 +1192,9 @@ def graph_step(fn=None, **options):
             up to ``max_graphs`` graphs (and ``graph_memory_budget`` bytes), least recently
             used dropped first.
         budget_growth: finite factor > 1 the stash grows by after every rerun, an overflow's
-            or a step over budget's (``StashManager.grow``: a new config with ``device_factor x budget_growth``, or
-            ``host_factor`` for a host-only stash; the config passed in is not changed).
+            or a step over budget's (``StashManager.grow``: a new config with ``device_factor
+            x budget_growth``, or ``host_factor`` for a host-only stash; the config passed in
+            is not changed).
         on_overflow: optional ``callable(flags: dict)`` called after a rerun applied its
             update and the adaptive dispatch budgets grew (NOTE [budgets the step adapts]; it
             may set budgets itself, ``model.budgets.set_factor(...)``); returning ``False``
