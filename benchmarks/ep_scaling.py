@@ -65,7 +65,6 @@ def bench_argv(preset: str, ep: int, routing: str, args) -> list[str]:
 
 def run(args) -> int:
     os.makedirs(args.out, exist_ok=True)
-    gpus = args.gpus
     t0 = time.monotonic()
     jobs = [(p, ep, r) for ep in sorted({int(e) for e in args.ep.split(",")})
             for p in args.presets.split(",") for r in args.routings.split(",")]
@@ -77,7 +76,7 @@ def run(args) -> int:
                   + ", ".join(_slug(*j) for j in pending), flush=True)
             break
         ep = pending[0][1]
-        side = max(1, gpus // ep) if args.pack else 1
+        side = max(1, args.gpus // ep) if args.pack else 1
         batch = [j for j in pending if j[1] == ep][:side]
         procs = []
         for slot, (preset, ep, routing) in enumerate(batch):
@@ -116,7 +115,7 @@ def _rows(path: str):
     rows = entry["results"]
     if ep == 1:
         rows = {ONE_GPU_ROWS[k]: v for k, v in rows.items() if k in ONE_GPU_ROWS}
-    gpus = data.get("meta", {}).get("gpus") or data.get("meta", {}).get("gpu") or "?"
+    gpus = data.get("meta", {}).get("gpus") or "?"
     return entry["config"], ep, gpus, rows
 
 
@@ -192,7 +191,8 @@ def main(argv=None) -> int:
     r.add_argument("--no-profile", dest="profile", action="store_false")
     r.add_argument("--pack", action="store_true",
                    help="run benches of fewer GPUs side by side on disjoint GPUs")
-    r.add_argument("--gpus", type=int, default=int(os.environ.get("GPUS", "0")) or None)
+    r.add_argument("--gpus", type=int, default=None,
+                   help="GPUs of the machine to pack onto (default: what torch sees)")
     r.add_argument("--deadline", type=float, default=float("inf"),
                    help="start no bench after this many seconds")
     r.add_argument("--timeout", type=float, default=600.0, help="seconds per bench")
