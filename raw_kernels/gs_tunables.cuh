@@ -19,5 +19,11 @@
 #ifndef GS_STREAMING
 #define GS_STREAMING 0          // paged stash: 1 = evict-first loads/stores (__ldcs/__stcs)
 #endif
+#ifndef GS_XCHG_UNROLL
+#define GS_XCHG_UNROLL 4        // exchange push: vectors each lane loads before it stores them
+#endif
+#ifndef GS_XCHG_MIN_BLOCKS
+#define GS_XCHG_MIN_BLOCKS 2    // exchange push: blocks per multiprocessor the registers must allow
+#endif
 
 #define GS_WARPS (GS_THREADS / 32)

@@ -43,12 +43,6 @@
 #include "gs_layout.cuh"
 #include "gs_tunables.cuh"
 
-#ifndef GS_XCHG_UNROLL
-#define GS_XCHG_UNROLL 4        // vectors each lane loads before it stores them
-#endif
-#ifndef GS_XCHG_MIN_BLOCKS
-#define GS_XCHG_MIN_BLOCKS 2    // push kernels: blocks per multiprocessor the registers must allow
-#endif
 #ifndef GS_XCHG_SLEEP_NS
 #define GS_XCHG_SLEEP_NS 64     // back-off between two polls of a signal
 #endif
@@ -464,6 +458,188 @@ GS_PUSH(8, uint2)
 GS_PUSH(4, unsigned int)
 GS_PUSH(2, unsigned short)
 GS_PUSH(1, unsigned char)
+
+// ---------------------------------------------------------------------------------------
+// gs_xchg_push_bulk: the push of gs_xchg_push_v16 (same arguments, rows of a multiple of 16
+// bytes at 16-byte aligned addresses) through the Tensor Memory Accelerator. NOTE [bulk push]:
+// a lane-driven push keeps at most a few vectors per lane in flight, and on a few
+// multiprocessors that is too little to fill the links (docs/exchange.md, "Bandwidth between
+// two GPUs"). Here each warp moves its rows in chunks of at most GS_XCHG_BULK_CHUNK bytes:
+// lane 0 issues a bulk load of a chunk into one of the warp's GS_XCHG_BULK_STAGES shared
+// stages (cp.async.bulk, completion on that stage's mbarrier), and, GS_XCHG_BULK_LAG chunks
+// later, a bulk store of it into the receiver (cp.async.bulk ... bulk_group), so loads and
+// stores of several chunks are in flight per warp while the lanes do nothing. A stage is
+// loaded again only once the store that read it finished reading (wait_group.read).
+// ``lane_stores`` = 1 stores through the warp's lanes (16-byte vectors from the stage)
+// instead of the bulk store, for links a bulk store cannot reach. Each warp waits for its
+// stores to complete and fences the async proxy before the block's __threadfence_system
+// (NOTE [exchange signals]).
+// ---------------------------------------------------------------------------------------
+#ifndef GS_XCHG_BULK_CHUNK
+#define GS_XCHG_BULK_CHUNK 2048     // bytes one bulk copy moves at most (a multiple of 16)
+#endif
+#ifndef GS_XCHG_BULK_STAGES
+#define GS_XCHG_BULK_STAGES 4       // shared stages per warp
+#endif
+#define GS_XCHG_BULK_LAG 2          // a chunk is stored this many loads after its own
+#define GS_XCHG_BULK_WARPS (GS_THREADS / 32)
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes,
+                                          unsigned bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(bar), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void bulk_wait(unsigned bar, unsigned parity) {
+    asm volatile("{\n\t.reg .pred P1;\n"
+                 "BULK_WAIT:\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n\t"
+                 "@P1 bra BULK_DONE;\n\t"
+                 "bra BULK_WAIT;\n"
+                 "BULK_DONE:\n\t}"
+                 :: "r"(bar), "r"(parity) : "memory");
+}
+
+__device__ __forceinline__ void bulk_store(void* dst, unsigned src, unsigned bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+struct BulkCursor {
+    int item;             // the item whose row is being cut into chunks (n when done)
+    unsigned off;         // bytes of it already issued
+    PushItem it;
+};
+
+extern "C" __global__ void __launch_bounds__(GS_THREADS, 1)
+    gs_xchg_push_bulk(const long long* __restrict__ table, long long* state, int W, int me,
+                      int field, const unsigned char* __restrict__ src, int src_rows,
+                      const int* __restrict__ src_index, const int* __restrict__ dest_peer,
+                      const int* __restrict__ dest_row, const int* __restrict__ count,
+                      int max_items, int row_bytes, int lane_stores, int lo, int hi,
+                      int capacity, int field2, const unsigned char* __restrict__ extra,
+                      int extra_rows, const int* __restrict__ extra_index, int elem2) {
+    extern __shared__ __align__(128) unsigned char bulk_stage[];
+    __shared__ __align__(8) unsigned long long bulk_bar[GS_XCHG_BULK_WARPS][GS_XCHG_BULK_STAGES];
+    __shared__ unsigned long long block_bytes[2];
+    __shared__ unsigned long long block_rows;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        block_bytes[0] = block_bytes[1] = 0;
+        block_rows = 0;
+    }
+    if (lane == 0) {
+        for (int s = 0; s < GS_XCHG_BULK_STAGES; ++s)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;"
+                         :: "r"(smem_u32(&bulk_bar[warp][s])) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    unsigned char* stage0 = bulk_stage
+        + static_cast<size_t>(warp) * GS_XCHG_BULK_STAGES * GS_XCHG_BULK_CHUNK;
+    const int n = min(max(count[0], 0), max_items);
+    const int groups = gridDim.x * GS_XCHG_BULK_WARPS;
+    unsigned long long local = 0, remote = 0;
+    unsigned int moved = 0;
+    // chunk j's destination and size, for its store GS_XCHG_BULK_LAG chunks later
+    unsigned char* ring_dst[GS_XCHG_BULK_STAGES];
+    unsigned ring_bytes[GS_XCHG_BULK_STAGES];
+    BulkCursor cur{blockIdx.x * GS_XCHG_BULK_WARPS + warp, 0u, PushItem{-1, -1, -1, -1}};
+    auto valid = [&](const PushItem& it) {
+        return it.peer >= 0 && it.peer < W && it.row >= lo && it.row < hi
+               && it.row - lo < capacity && it.src >= 0 && it.src < src_rows;
+    };
+    // the first valid item at or after cur.item (warp-uniform: every lane reads the same)
+    auto settle = [&]() {
+        while (cur.item < n) {
+            cur.it = push_item(cur.item, n, src_index, extra_index, dest_peer, dest_row);
+            if (valid(cur.it)) return;
+            cur.item += groups;
+        }
+    };
+    auto store = [&](long long k) {
+        const int s = static_cast<int>(k % GS_XCHG_BULK_STAGES);
+        const unsigned parity = static_cast<unsigned>((k / GS_XCHG_BULK_STAGES) & 1);
+        unsigned char* stage = stage0 + s * GS_XCHG_BULK_CHUNK;
+        if (lane == 0) bulk_wait(smem_u32(&bulk_bar[warp][s]), parity);
+        __syncwarp();
+        if (lane_stores) {
+            const uint4* in = reinterpret_cast<const uint4*>(stage);
+            uint4* out = reinterpret_cast<uint4*>(ring_dst[s]);
+            for (unsigned v = lane; v < ring_bytes[s] / 16; v += 32) out[v] = in[v];
+            __syncwarp();
+        } else if (lane == 0) {
+            bulk_store(ring_dst[s], smem_u32(stage), ring_bytes[s]);
+        }
+    };
+    settle();
+    long long j = 0;
+    while (cur.item < n) {
+        const int s = static_cast<int>(j % GS_XCHG_BULK_STAGES);
+        const unsigned char* in = src + static_cast<long long>(cur.it.src) * row_bytes + cur.off;
+        unsigned char* out = reinterpret_cast<unsigned char*>(table[field * W + cur.it.peer])
+                             + static_cast<long long>(cur.it.row - lo) * row_bytes + cur.off;
+        const unsigned bytes = min(static_cast<unsigned>(GS_XCHG_BULK_CHUNK),
+                                   static_cast<unsigned>(row_bytes) - cur.off);
+        ring_dst[s] = out;
+        ring_bytes[s] = bytes;
+        if (lane == 0) {
+            // stage s was last read by chunk j - STAGES's store: at most the stores issued
+            // after it may still be reading (the bulk-store path; lane stores are done)
+            if (!lane_stores)
+                asm volatile("cp.async.bulk.wait_group.read %0;"
+                             :: "n"(GS_XCHG_BULK_STAGES - GS_XCHG_BULK_LAG - 1) : "memory");
+            else
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            bulk_load(smem_u32(stage0 + s * GS_XCHG_BULK_CHUNK), in, bytes,
+                      smem_u32(&bulk_bar[warp][s]));
+            if (cur.off == 0) {
+                unsigned long long b = static_cast<unsigned long long>(row_bytes);
+                if (extra != nullptr && cur.it.src2 >= 0 && cur.it.src2 < extra_rows) {
+                    copy_small(reinterpret_cast<unsigned char*>(table[field2 * W + cur.it.peer])
+                                   + static_cast<long long>(cur.it.row - lo) * elem2,
+                               extra + static_cast<long long>(cur.it.src2) * elem2, elem2);
+                    b += elem2;
+                }
+                if (cur.it.peer == me) local += b;
+                else remote += b;
+                ++moved;
+            }
+        }
+        if (j >= GS_XCHG_BULK_LAG) store(j - GS_XCHG_BULK_LAG);
+        ++j;
+        cur.off += bytes;
+        if (cur.off >= static_cast<unsigned>(row_bytes)) {
+            cur.off = 0;
+            cur.item += groups;
+            settle();
+        }
+    }
+    for (long long k = j > GS_XCHG_BULK_LAG ? j - GS_XCHG_BULK_LAG : 0; k < j; ++k) store(k);
+    if (lane == 0) {
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        if (remote) atomicAdd(&block_bytes[0], remote);
+        if (local) atomicAdd(&block_bytes[1], local);
+        if (moved) atomicAdd(&block_rows, static_cast<unsigned long long>(moved));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        unsigned long long* counters = reinterpret_cast<unsigned long long*>(state);
+        if (block_bytes[0]) atomicAdd(counters + GS_XS_ROW_BYTES_REMOTE, block_bytes[0]);
+        if (block_bytes[1]) atomicAdd(counters + GS_XS_ROW_BYTES_LOCAL, block_bytes[1]);
+        if (block_rows) atomicAdd(counters + GS_XS_ROWS_SENT, block_rows);
+    }
+}
 
 // ---------------------------------------------------------------------------------------
 // gs_xchg_flags: one block. Sums the int32 flags[n] (n <= GS_X_MAX_FLAGS) and takes the

@@ -10,7 +10,15 @@ skewed counts) every method moves the same rows:
 - ``push``: graphstash's transport push (``gs_xchg_push_v*``: rows gathered by token index and
   written straight into the receivers' regions), then its barrier, as a dispatch runs it;
   ``push@N`` the same with at most ``N`` thread blocks (``Transport.push_blocks``; one block
-  per multiprocessor), for each ``N`` of ``--push-blocks``;
+  per multiprocessor), for each ``N`` of ``--push-blocks``; ``bulk@N`` and ``bulkld@N`` the
+  same through the bulk push (``Transport.push_engine`` ``"bulk"`` and ``"bulk loads"``, NOTE
+  [bulk push]) with ``--bulk``; every push's received rows are compared with the lanes'
+  (``<method>_matches``);
+- ``vpush@N``, ``vpull@N``, ``bpush@N``, ``bpull@N`` (with ``--raw``): the ceiling's contiguous
+  bytes moved by ``N`` blocks of the probes' copy kernels (``_copy_kernels.py``): 16-byte
+  vectors (``v``) or bulk copies through shared memory (``b``), written into the next rank's
+  buffer (``push``) or read from the previous rank's into this one's (``pull``): what a few
+  multiprocessors move over the links each way, without the exchange's gather;
 - ``copy_out``: the receiver's gather of the rows it received out of its own region into the
   permuted buffer (local: the half of a dispatch that does not cross a link);
 - ``nccl``: ``all_to_all_single`` of the same rows with their split sizes;
@@ -45,6 +53,8 @@ ROW_BYTES = (4096, 8192, 16384, 28672)
 ROWS = (1024, 8192, 65536)
 COUNTS = ("balanced", "skewed")
 METHODS = ("ceiling", "push", "copy_out", "nccl")
+ENGINES = {"push": "lanes", "bulk": "bulk", "bulkld": "bulk loads"}
+RAW = ("vpush", "vpull", "bpush", "bpull")
 SKEW = 3.0              # skewed: rank 0 receives SKEW times the rows of any other rank
 
 
@@ -142,8 +152,14 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
     if "ceiling" in methods:
         fns["ceiling"] = _ceiling(remote, int(sent), group, device)
     for name in methods:
-        if name == "push" or name.startswith("push@"):
-            fns[name] = _push(transport, int(name[5:] or 0), src, token, peer, dest, count)
+        kind, _, blocks = name.partition("@")
+        if kind in RAW:
+            fns[name] = _raw(kind, int(blocks), remote, int(sent), group, device)
+    for name in methods:
+        kind, _, blocks = name.partition("@")
+        if kind in ENGINES:
+            fns[name] = _push(transport, ENGINES[kind], int(blocks or 0), src, token, peer,
+                              dest, count)
     if "copy_out" in methods:
         region = transport.field_view(X.XF_ROWS, torch.bfloat16, width, received)
         permuted = torch.empty(received, width, dtype=torch.bfloat16, device=device)
@@ -157,10 +173,16 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
                                                       group=group)
     if "vdev" in methods:
         fns["vdev"] = _vdev(src, token, per_dest, table, rank, group, device)
+    reference = None
     for name, fn in fns.items():
         if isinstance(fn, str):                      # the error that stopped it
             out[f"{name}_error"] = fn
             continue
+        if name.partition("@")[0] in ENGINES:
+            got = _received(fn, transport, width, received, group)
+            if reference is None:
+                reference = got
+            out[f"{name}_matches"] = bool(torch.equal(got, reference))
         ms = _graph_ms(fn, reps, inner, group, graphed=name != "vdev")
         moved = received * row_bytes if name == "copy_out" else sent
         out[f"{name}_ms"] = ms
@@ -173,14 +195,68 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
     return out
 
 
-def _push(transport, blocks: int, src, token, peer, dest, count):
-    """The transport's push of the case's rows with at most ``blocks`` blocks (0: all), then
-    its barrier."""
+def _received(fn, transport, width: int, received: int, group) -> torch.Tensor:
+    """The rows one call of the push ``fn`` leaves in this rank's region, cleared before."""
+    import torch.distributed as dist
+
+    region = transport.field_view(X.XF_ROWS, torch.bfloat16, width, received)
+    region.zero_()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    return region.clone()
+
+
+def _push(transport, engine: str, blocks: int, src, token, peer, dest, count):
+    """The transport's push of the case's rows through ``engine`` with at most ``blocks``
+    blocks (0: all), then its barrier."""
     def push():
         transport.push_blocks = blocks
+        transport.push_engine = engine
         transport.push(X.XF_ROWS, src, token, peer, dest, count, 0, transport.capacity_rows)
         transport.barrier()
     return push
+
+
+def _raw(kind: str, blocks: int, nbytes: int, largest: int, group, device):
+    """``nbytes`` contiguous bytes pushed into the next rank's symmetric-memory buffer or
+    pulled from the previous rank's, by ``blocks`` blocks of a copy kernel of
+    ``_copy_kernels.py`` (``kind``: ``vpush``, ``vpull``, ``bpush``, ``bpull``)."""
+    import cupy
+    import numpy as np
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    import _copy_kernels
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    n = max(nbytes, 16) // 16 * 16
+    buf = symm_mem.empty(max(largest, n), dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buf, group)
+    local = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
+    if kind.endswith("push"):
+        src, dst = local, handle.get_buffer((rank + 1) % world, (n,), torch.uint8)
+    else:
+        src, dst = handle.get_buffer((rank - 1) % world, (n,), torch.uint8), local
+    chunk, stages = 16384, 4
+    module = _copy_kernels.module(unroll=8, chunk=chunk, stages=stages)
+    if kind[0] == "v":
+        kernel, threads, shared = module.get_function("vector_copy"), 512, 0
+        size = np.int64(n // 16)
+    else:
+        kernel, threads, shared = module.get_function("bulk_copy"), 32, chunk * stages
+        kernel.max_dynamic_shared_size_bytes = shared
+        size = np.int64(n)
+    keep = (buf, handle, module)
+
+    def copy():
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        kernel((blocks,), (threads,), (src.data_ptr(), dst.data_ptr(), size),
+               shared_mem=shared, stream=stream)
+        return keep
+    return copy
 
 
 def _ceiling(nbytes: int, largest: int, group, device):
@@ -240,6 +316,10 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--push-blocks", default="16,32",
                         help="comma-separated block caps: a push@N method for each")
+    parser.add_argument("--bulk", action="store_true",
+                        help="also bulk@N and bulkld@N for every push@N (and all blocks)")
+    parser.add_argument("--raw", action="store_true",
+                        help="also vpush@N, vpull@N, bpush@N, bpull@N for every N")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--inner", type=int, default=10)
     parser.add_argument("--json", default=None)
@@ -248,8 +328,15 @@ def main() -> None:
     unknown = sorted(set(methods) - set(METHODS) - {"vdev"})
     if "push" in methods and args.push_blocks:
         at = methods.index("push") + 1
-        methods = methods[:at] + tuple(f"push@{int(b)}" for b in args.push_blocks.split(",")
-                                       if b) + methods[at:]
+        pushes = tuple(f"push@{int(b)}" for b in args.push_blocks.split(",") if b)
+        if args.bulk:
+            caps = [""] + [f"@{int(b)}" for b in args.push_blocks.split(",") if b]
+            pushes += tuple(f"{k}{c}" for k in ("bulk", "bulkld") for c in caps)
+        methods = methods[:at] + pushes + methods[at:]
+    if args.raw and args.push_blocks:
+        at = methods.index("ceiling") + 1 if "ceiling" in methods else 0
+        methods = methods[:at] + tuple(f"{k}@{int(b)}" for k in RAW
+                                       for b in args.push_blocks.split(",") if b) + methods[at:]
     if unknown:
         parser.error(f"--methods: unknown {unknown}")
     if "vdev" in methods and len(methods) > 1:
@@ -270,7 +357,7 @@ def main() -> None:
     row_bytes = [int(v) for v in args.row_bytes.split(",")]
     rows = [int(v) for v in args.rows.split(",")]
     transport = None
-    if any(m.startswith("push") for m in methods) or "copy_out" in methods:
+    if any(m.partition("@")[0] in ENGINES for m in methods) or "copy_out" in methods:
         import graphstash
         from graphstash.moe.exchange import build_transport
 

@@ -160,7 +160,8 @@ def variants(live: int, rows: int, row_bytes: int, reps: int, inner: int) -> lis
     out = []
     for unroll in (2, 4, 8):
         for min_blocks in (1, 2):
-            opts = K.compile_options() + (f"-DGS_XCHG_UNROLL={unroll}",
+            opts = tuple(o for o in K.compile_options() if not o.startswith("-DGS_XCHG_")) + (
+                                          f"-DGS_XCHG_UNROLL={unroll}",
                                           f"-DGS_XCHG_MIN_BLOCKS={min_blocks}")
             fn = cupy.RawModule(code=source_path("moe_exchange.cu").read_text(),
                                 options=opts).get_function("gs_xchg_push_v16")

@@ -24,12 +24,14 @@ from ..errors import BackendUnavailableError
 # Tunables compiled into the kernels with -D. Their defaults are written once, in
 # raw_kernels/gs_tunables.cuh, and read from there; GRAPHSTASH_TUNABLES="THREADS=256,UNROLL=4"
 # overrides them for a tuning run (docs/kernel-tuning.md).
-TUNABLES = ("THREADS", "UNROLL", "MIN_BLOCKS", "STREAMING")
+TUNABLES = ("THREADS", "UNROLL", "MIN_BLOCKS", "STREAMING", "XCHG_UNROLL", "XCHG_MIN_BLOCKS")
 _defaults = int_defines(TUNABLES_HEADER)
 THREADS = _defaults["THREADS"]        # threads per block of every launch
 UNROLL = _defaults["UNROLL"]
 MIN_BLOCKS = _defaults["MIN_BLOCKS"]
 STREAMING = _defaults["STREAMING"]
+XCHG_UNROLL = _defaults["XCHG_UNROLL"]          # exchange push: vectors per lane per pass
+XCHG_MIN_BLOCKS = _defaults["XCHG_MIN_BLOCKS"]
 # Launcher-only settings (not compiled into any kernel):
 BLOCKS_PER_SM = 8          # persistent grid: at most this many blocks per multiprocessor
 # Most segments one stashed tensor may have: the segment table (16 bytes a segment) lives in
@@ -190,6 +192,7 @@ def ptr(t: torch.Tensor) -> np.uint64:
 
 
 _launchers: dict[tuple[int, str, str, int], tuple] = {}
+_DEFAULT_SHARED = 48 * 1024     # dynamic shared memory a block gets without opting in
 
 
 def launch(module_name: str, kernel: str, items: int, device_index: int, args: tuple,
@@ -201,6 +204,8 @@ def launch(module_name: str, kernel: str, items: int, device_index: int, args: t
     entry = _launchers.get(key)
     if entry is None:
         raw = _function(device_index, module_name, kernel)
+        if shared_mem > _DEFAULT_SHARED:       # opt in to more than the default per block
+            raw.max_dynamic_shared_size_bytes = shared_mem
         entry = (raw, getattr(raw, "kernel", None),
                  resident_blocks(device_index, module_name, kernel, shared_mem))
         _launchers[key] = entry
