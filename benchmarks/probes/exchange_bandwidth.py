@@ -10,10 +10,8 @@ skewed counts) every method moves the same rows:
 - ``push``: graphstash's transport push (``gs_xchg_push_v*``: rows gathered by token index and
   written straight into the receivers' regions), then its barrier, as a dispatch runs it;
   ``push@N`` the same with at most ``N`` thread blocks (``Transport.push_blocks``; one block
-  per multiprocessor), for each ``N`` of ``--push-blocks``; ``bulk@N`` and ``bulkld@N`` the
-  same through the bulk push (``Transport.push_engine`` ``"bulk"`` and ``"bulk loads"``, NOTE
-  [bulk push]) with ``--bulk``; every push's received rows are compared with the lanes'
-  (``<method>_matches``);
+  per multiprocessor), for each ``N`` of ``--push-blocks``; every push's received rows are
+  compared with the first push's (``<method>_matches``);
 - ``vpush@N``, ``vpull@N``, ``bpush@N``, ``bpull@N`` (with ``--raw``): the ceiling's contiguous
   bytes moved by ``N`` blocks of the probes' copy kernels (``_copy_kernels.py``): 16-byte
   vectors (``v``) or bulk copies through shared memory (``b``), written into the next rank's
@@ -53,7 +51,6 @@ ROW_BYTES = (4096, 8192, 16384, 28672)
 ROWS = (1024, 8192, 65536)
 COUNTS = ("balanced", "skewed")
 METHODS = ("ceiling", "push", "copy_out", "nccl")
-ENGINES = {"push": "lanes", "bulk": "bulk", "bulkld": "bulk loads"}
 RAW = ("vpush", "vpull", "bpush", "bpull")
 SKEW = 3.0              # skewed: rank 0 receives SKEW times the rows of any other rank
 
@@ -157,9 +154,8 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
             fns[name] = _raw(kind, int(blocks), remote, int(sent), group, device)
     for name in methods:
         kind, _, blocks = name.partition("@")
-        if kind in ENGINES:
-            fns[name] = _push(transport, ENGINES[kind], int(blocks or 0), src, token, peer,
-                              dest, count)
+        if kind == "push":
+            fns[name] = _push(transport, int(blocks or 0), src, token, peer, dest, count)
     if "copy_out" in methods:
         region = transport.field_view(X.XF_ROWS, torch.bfloat16, width, received)
         permuted = torch.empty(received, width, dtype=torch.bfloat16, device=device)
@@ -178,7 +174,7 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
         if isinstance(fn, str):                      # the error that stopped it
             out[f"{name}_error"] = fn
             continue
-        if name.partition("@")[0] in ENGINES:
+        if name.partition("@")[0] == "push":
             got = _received(fn, transport, width, received, group)
             if reference is None:
                 reference = got
@@ -209,12 +205,11 @@ def _received(fn, transport, width: int, received: int, group) -> torch.Tensor:
     return region.clone()
 
 
-def _push(transport, engine: str, blocks: int, src, token, peer, dest, count):
-    """The transport's push of the case's rows through ``engine`` with at most ``blocks``
-    blocks (0: all), then its barrier."""
+def _push(transport, blocks: int, src, token, peer, dest, count):
+    """The transport's push of the case's rows with at most ``blocks`` blocks (0: all), then
+    its barrier."""
     def push():
         transport.push_blocks = blocks
-        transport.push_engine = engine
         transport.push(X.XF_ROWS, src, token, peer, dest, count, 0, transport.capacity_rows)
         transport.barrier()
     return push
@@ -316,8 +311,6 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--push-blocks", default="16,32",
                         help="comma-separated block caps: a push@N method for each")
-    parser.add_argument("--bulk", action="store_true",
-                        help="also bulk@N and bulkld@N for every push@N (and all blocks)")
     parser.add_argument("--raw", action="store_true",
                         help="also vpush@N, vpull@N, bpush@N, bpull@N for every N")
     parser.add_argument("--reps", type=int, default=10)
@@ -328,11 +321,8 @@ def main() -> None:
     unknown = sorted(set(methods) - set(METHODS) - {"vdev"})
     if "push" in methods and args.push_blocks:
         at = methods.index("push") + 1
-        pushes = tuple(f"push@{int(b)}" for b in args.push_blocks.split(",") if b)
-        if args.bulk:
-            caps = [""] + [f"@{int(b)}" for b in args.push_blocks.split(",") if b]
-            pushes += tuple(f"{k}{c}" for k in ("bulk", "bulkld") for c in caps)
-        methods = methods[:at] + pushes + methods[at:]
+        methods = methods[:at] + tuple(f"push@{int(b)}" for b in args.push_blocks.split(",")
+                                       if b) + methods[at:]
     if args.raw and args.push_blocks:
         at = methods.index("ceiling") + 1 if "ceiling" in methods else 0
         methods = methods[:at] + tuple(f"{k}@{int(b)}" for k in RAW
@@ -357,7 +347,7 @@ def main() -> None:
     row_bytes = [int(v) for v in args.row_bytes.split(",")]
     rows = [int(v) for v in args.rows.split(",")]
     transport = None
-    if any(m.partition("@")[0] in ENGINES for m in methods) or "copy_out" in methods:
+    if any(m.startswith("push") for m in methods) or "copy_out" in methods:
         import graphstash
         from graphstash.moe.exchange import build_transport
 

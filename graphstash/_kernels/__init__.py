@@ -192,7 +192,6 @@ def ptr(t: torch.Tensor) -> np.uint64:
 
 
 _launchers: dict[tuple[int, str, str, int], tuple] = {}
-_DEFAULT_SHARED = 48 * 1024     # dynamic shared memory a block gets without opting in
 
 
 def launch(module_name: str, kernel: str, items: int, device_index: int, args: tuple,
@@ -204,8 +203,6 @@ def launch(module_name: str, kernel: str, items: int, device_index: int, args: t
     entry = _launchers.get(key)
     if entry is None:
         raw = _function(device_index, module_name, kernel)
-        if shared_mem > _DEFAULT_SHARED:       # opt in to more than the default per block
-            raw.max_dynamic_shared_size_bytes = shared_mem
         entry = (raw, getattr(raw, "kernel", None),
                  resident_blocks(device_index, module_name, kernel, shared_mem))
         _launchers[key] = entry

@@ -11,11 +11,8 @@ kernel.
 """
 from __future__ import annotations
 
-
 import numpy as np
 import torch
-
-from raw_kernels import int_defines
 
 from ..reference import exchange as _reference
 from . import THREADS, VECTOR_WIDTHS, launch, ptr, register_source, vector_width
@@ -23,15 +20,11 @@ from . import XCHG_UNROLL as _UNROLL         # vectors a lane moves per pass (gs
 from ._library import kernel_op
 
 _MODULE = "moe_exchange"
-_DEFINES = int_defines("moe_exchange.cu")
-# the bulk push (NOTE [bulk push]): shared stages of each warp and the bytes of one stage
-_BULK_STAGES, _BULK_CHUNK = _DEFINES["XCHG_BULK_STAGES"], _DEFINES["XCHG_BULK_CHUNK"]
-PUSH_ENGINES = ("lanes", "bulk", "bulk loads")   # Transport.push_engine: the kernel a push runs
 _INT32_MAX = 2**31 - 1            # rows, items and windows are int32 in the push kernels
 
 register_source(_MODULE, "moe_exchange.cu",
                 ("gs_xchg_barrier", "gs_xchg_counts", "gs_xchg_map", "gs_xchg_flags")
-                + tuple(f"gs_xchg_push_v{w}" for w in VECTOR_WIDTHS) + ("gs_xchg_push_bulk",))
+                + tuple(f"gs_xchg_push_v{w}" for w in VECTOR_WIDTHS))
 
 
 def _no_ptr() -> np.uint64:
@@ -114,8 +107,7 @@ def _exchange_push(table: torch.Tensor, state: torch.Tensor, region: torch.Tenso
                    src_index: torch.Tensor | None, dest_peer: torch.Tensor,
                    dest_row: torch.Tensor, count: torch.Tensor, window_lo: int, window_hi: int,
                    capacity_rows: int, extra_field: int, extra: torch.Tensor | None,
-                   extra_index: torch.Tensor | None, max_blocks: int = 0,
-                   engine: int = 0) -> None:
+                   extra_index: torch.Tensor | None, max_blocks: int = 0) -> None:
     """Launch ``gs_xchg_push_v*``: copy the live rows of ``src`` into the peers' ``field``.
 
     Args:
@@ -134,10 +126,6 @@ def _exchange_push(table: torch.Tensor, state: torch.Tensor, region: torch.Tenso
         max_blocks: at most this many thread blocks (the kernel strides over the items), so
             the push leaves the other multiprocessors to work beside it; 0: one lane group
             per item.
-        engine: index into :data:`PUSH_ENGINES`: ``0`` each lane group copies its rows in
-            vectors (``gs_xchg_push_v*``); ``1`` bulk copies through shared memory
-            (``gs_xchg_push_bulk``, NOTE [bulk push]); ``2`` bulk loads, stores by the lanes.
-            The bulk kernel needs 16-byte rows and addresses; others take the lanes.
     """
     rows = src.shape[0]
     items = dest_peer.shape[0]
@@ -145,20 +133,6 @@ def _exchange_push(table: torch.Tensor, state: torch.Tensor, region: torch.Tenso
     if items == 0 or row_bytes == 0:
         return
     width = vector_width(row_bytes, src.data_ptr(), field_base)
-    if engine and width == 16:
-        warps = THREADS // 32
-        blocks = max(1, -(-items // warps))
-        if max_blocks > 0:
-            blocks = min(blocks, max_blocks)
-        launch(_MODULE, "gs_xchg_push_bulk", blocks, state.device.index,
-               (ptr(table), ptr(state), np.int32(world_size), np.int32(rank), np.int32(field),
-                ptr(src), np.int32(rows), ptr(src_index) if src_index is not None else _no_ptr(),
-                ptr(dest_peer), ptr(dest_row), ptr(count), np.int32(items),
-                np.int32(row_bytes), np.int32(engine == 2),
-                *_window_args(window_lo, window_hi, capacity_rows, extra_field, extra,
-                              extra_index)),
-               shared_mem=warps * _BULK_STAGES * _BULK_CHUNK)
-        return
     vec_per_row = row_bytes // width
     lanes = lanes_per_row(-(-vec_per_row // _UNROLL))
     blocks = max(1, -(-items * lanes // THREADS))
@@ -170,19 +144,12 @@ def _exchange_push(table: torch.Tensor, state: torch.Tensor, region: torch.Tenso
             ptr(src), np.int32(rows), ptr(src_index) if src_index is not None else _no_ptr(),
             ptr(dest_peer), ptr(dest_row), ptr(count), np.int32(items),
             np.int32(vec_per_row), np.int32(lanes.bit_length() - 1),
-            *_window_args(window_lo, window_hi, capacity_rows, extra_field, extra,
-                          extra_index)))
-
-
-def _window_args(window_lo: int, window_hi: int, capacity_rows: int, extra_field: int,
-                 extra: torch.Tensor | None, extra_index: torch.Tensor | None) -> tuple:
-    """The push kernels' arguments after the row geometry: window, region, extra field."""
-    return (np.int32(min(window_lo, _INT32_MAX)), np.int32(min(window_hi, _INT32_MAX)),
+            np.int32(min(window_lo, _INT32_MAX)), np.int32(min(window_hi, _INT32_MAX)),
             np.int32(capacity_rows), np.int32(extra_field),
             ptr(extra) if extra is not None else _no_ptr(),
             np.int32(extra.shape[0] if extra is not None else 0),
             ptr(extra_index) if extra_index is not None else _no_ptr(),
-            np.int32(extra.element_size() if extra is not None else 0))
+            np.int32(extra.element_size() if extra is not None else 0)))
 
 
 def _exchange_flags(table: torch.Tensor, state: torch.Tensor, region: torch.Tensor,

@@ -61,10 +61,6 @@ class Transport:
         group: the process group it was built over (None for in-process ranks).
         push_blocks: thread blocks a push may use at most (0: as many as it has row groups);
             peer transports only (docs/exchange.md, "Bandwidth between two GPUs").
-        push_engine: what copies the rows: ``"lanes"`` (vectors, every lane of a lane group),
-            ``"bulk"`` (bulk copies through shared memory, NOTE [bulk push] in
-            ``raw_kernels/moe_exchange.cu``) or ``"bulk loads"`` (bulk loads, lane stores);
-            peer transports only.
     """
 
     def __init__(self, *, kind: str, rank: int, world_size: int, layout: X.RegionLayout,
@@ -85,7 +81,6 @@ class Transport:
         self._offsets = layout.offsets()
         self.closed = False
         self.push_blocks = 0
-        self.push_engine = "lanes"
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(kind={self.kind!r}, rank={self.rank}, "
@@ -316,14 +311,7 @@ class PeerTransport(Transport):
                                   self.rank, field, self.field_address(field), src, src_index,
                                   dest_peer, dest_row, count, window_lo, window_hi,
                                   self.capacity_rows, X.XF_WEIGHTS, weights, weights_index,
-                                  self.push_blocks, self._engine())
-
-    def _engine(self) -> int:
-        engines = self._ops().PUSH_ENGINES
-        if self.push_engine not in engines:
-            raise ValueError(f"push_engine: expected one of {engines}, got "
-                             f"{self.push_engine!r}")
-        return engines.index(self.push_engine)
+                                  self.push_blocks)
 
     def _all_reduce_flags(self, flags: torch.Tensor, peaks: torch.Tensor | None) -> None:
         self._ops().exchange_flags(self.table, self.state, self.region, self.world_size,
