@@ -78,7 +78,7 @@ def test_bitwise_gradients_lifo(gen, segments):
     assert all(s["peak_pages"] > 0 and s["pages_in_use"] == 0 for s in status["buffers"].values())
 
 
-@pytest.mark.parametrize("prefetch", ["after_release", "at_last_unpack"])
+@pytest.mark.parametrize("prefetch", ["after_release", "at_last_unpack", "on_demand"])
 def test_bitwise_gradients_interleaved_1f1b_with_prefetch(gen, prefetch):
     chunks, micro = 2, 4
     model = _model(gen)
@@ -103,8 +103,11 @@ def test_bitwise_gradients_interleaved_1f1b_with_prefetch(gen, prefetch):
             on_demand = [g for kind, g in trace if kind == "reload"]
             # every layer group of every microbatch (no forward is followed by its own backward)
             assert len(stashed) == micro * L
-            # every reload but one is issued ahead by the recorded schedule
             assert sorted(prefetched + on_demand) == sorted(stashed)
+            if prefetch == "on_demand":          # none ahead
+                assert not prefetched, trace
+                continue
+            # every reload but one is issued ahead by the recorded schedule
             assert len(on_demand) <= 1, trace
             # reloads are not LIFO with respect to stashes
             reloads = [g for kind, g in trace if kind != "stash"]
@@ -129,10 +132,11 @@ class _LoggedSave(torch.autograd.Function):
         return grad * 2 + 0 * x, None, None
 
 
-@pytest.mark.parametrize("prefetch", ["after_release", "at_last_unpack"])
+@pytest.mark.parametrize("prefetch", ["after_release", "at_last_unpack", "on_demand"])
 def test_prefetch_point(gen, prefetch):
     """The next group's reload is issued after the backward op holding the group's last saved
-    tensor ran (after_release), or as that tensor is unpacked, before the op (at_last_unpack)."""
+    tensor ran (after_release), or as that tensor is unpacked, before the op (at_last_unpack),
+    or only when the group's own backward unpacks it (on_demand)."""
     manager = StashManager(StashConfig(min_tensor_bytes=0, initial_tokens=4 * B,
                                        prefetch=prefetch), device="cpu")
     n = torch.tensor([B // 3])
@@ -150,6 +154,8 @@ def test_prefetch_point(gen, prefetch):
     log = [e for e in log if e[0] != "stash"]
     if prefetch == "after_release":
         assert log == [("bwd", 2), ("prefetch", 1), ("bwd", 1), ("prefetch", 0), ("bwd", 0)]
+    elif prefetch == "on_demand":
+        assert log == [("bwd", 2), ("reload", 1), ("bwd", 1), ("reload", 0), ("bwd", 0)]
     else:
         assert log == [("prefetch", 1), ("bwd", 2), ("prefetch", 0), ("bwd", 1), ("bwd", 0)]
 

@@ -112,12 +112,13 @@ class _Measured:
         self.plan_bytes = {"k": (int(budget * GIB), int(live * GIB))}
 
 
-def _plan(layers, budget, live, grads, policy="auto", pool="shared"):
+def _plan(layers, budget, live, grads, policy="auto", pool="shared", prefetch="at_last_unpack"):
     from graphstash.stash.plan import StashPlan
 
     plan = StashPlan(policy)
     groups = [_Measured(g, budget, live) for g in range(layers)]
-    plan.make(_events(layers), groups, StashConfig(policy=policy, pool=pool),
+    plan.make(_events(layers), groups,
+              StashConfig(policy=policy, pool=pool, prefetch=prefetch),
               timeline=_timeline(layers, budget, grads))
     return plan
 
@@ -149,6 +150,41 @@ def test_per_group_pages_leave_before_the_gradients_arrive():
     # per group: at B0 15 + group 0's pages (0.5) + a reload (1); at the end 16
     assert predicted_peak(tl, {0, 1}, budget, live, 2.0, per_group=True) == \
         pytest.approx(16.5 * GIB)
+
+
+def test_on_demand_reloads_take_no_working_set_beside_the_group_before():
+    """``prefetch="on_demand"``: a group's reload replaces the group, nothing is brought in
+    beside the backward before it, so the prediction drops the reload term (the same levels
+    as above: at B0 15 + group 0's pages, 0.5; at the end 16)."""
+    from graphstash.stash.plan import predicted_peak
+
+    tl = _timeline(3, saved=1.0, grads=2.0)
+    budget, live = {g: GIB for g in range(3)}, {g: GIB // 4 for g in range(3)}
+    ahead = predicted_peak(tl, {0, 1}, budget, live, 2.0, per_group=True)
+    on_demand = predicted_peak(tl, {0, 1}, budget, live, 2.0, per_group=True, prefetch=False)
+    assert ahead == pytest.approx(16.5 * GIB) and on_demand == pytest.approx(16 * GIB)
+
+
+def test_the_plan_reads_the_prefetch_point():
+    """The same measured step: a plan for ``prefetch="on_demand"`` never predicts a higher
+    peak than one that prefetches, and stashes at least as many groups."""
+    shape = dict(layers=8, budget=0.9, live=0.45, grads=0.58, pool="per_group")
+    ahead, lazy = _plan(**shape), _plan(**shape, prefetch="on_demand")
+    assert lazy.predicted[1] < ahead.predicted[1]
+    assert sum(r["stashed"] for r in lazy.rows) >= sum(r["stashed"] for r in ahead.rows)
+
+
+def test_on_demand_plans_take_the_most_groups_among_equal_peaks():
+    """NOTE [on-demand plan]: where the end of backward sets the predicted peak, stashing 3 or
+    7 groups predicts the same; a plan for ``prefetch="on_demand"`` takes 7 (the start of
+    backward it lowers is what the levels miss), one that prefetches the fewest; and none
+    where no stashing lowers the peak at all."""
+    shape = dict(layers=8, budget=0.9, live=0.45, grads=0.7, pool="per_group")
+    ahead, lazy = _plan(**shape, prefetch="after_release"), _plan(**shape, prefetch="on_demand")
+    assert sum(r["stashed"] for r in lazy.rows) == 7, lazy.rows
+    assert sum(r["stashed"] for r in ahead.rows) < 7, ahead.rows
+    heavy = _plan(8, budget=0.56, live=0.45, grads=1.0, pool="per_group", prefetch="on_demand")
+    assert not any(r["stashed"] for r in heavy.rows)
 
 
 def test_gradients_that_outgrow_the_saved_rows_keep_every_group():

@@ -9,7 +9,7 @@ from .._checks import require_positive_int
 from ..errors import BackendUnavailableError
 from ..paging import MAX_PAGE_SIZE, MAX_PAGES
 
-PREFETCH_POINTS = ("at_last_unpack", "after_release")
+PREFETCH_POINTS = ("at_last_unpack", "after_release", "on_demand")
 POLICIES = ("auto", "always", "never")
 POOLS = ("per_group", "shared")
 
@@ -37,7 +37,9 @@ class StashConfig:
             the group before it is unpacked, so the reload also runs beside that group's last
             backward op; ``"after_release"`` once autograd released every saved tensor of that
             group (its backward ran), so the reload reuses its memory: a lower peak, less
-            overlap.
+            overlap; ``"on_demand"`` never ahead: a group is reloaded when its backward unpacks
+            its first saved tensor (no reloaded group beside another group's backward, the
+            copy in the step's critical path).
         copy_blocks: thread blocks one stash or reload may use on the side streams (0: as
             many as fit on the device). The copies run beside compute; capping them leaves
             multiprocessors to that compute (NOTE [copy blocks] in ``scheduler.py``).

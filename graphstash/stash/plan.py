@@ -23,7 +23,7 @@ pass (``E``), a host read with no sync. :func:`predicted_peak` replays those lev
 of groups stashed: a stashed group's ``B`` is gone from the event after its ``F`` until its
 ``B``, its pages are added from its ``F`` to its ``B`` (a shared pool: throughout), and one
 group's ``B`` at each backward start as the reload's working set (a prefetch can bring it in
-before the group before it is done). Under
+before the group before it is done; not with ``prefetch="on_demand"``). Under
 ``policy="auto"`` the plan stashes the first ``k`` groups in forward order (they are away the
 longest) for the ``k`` with the lowest predicted peak, and none unless that is below the
 step's own; each group's row says why. Without levels (the CPU) it stashes every group or
@@ -36,6 +36,17 @@ expert-parallel bench, qwen3-30b-a3b widths, 8 layers, 200 steps), with the plan
 after the budgets grew, the stash row under ``zipf:1.2`` and ``drift`` had one stash overflow
 and one more dropless rerun than the same row without the stash, and a peak 4.4 and 8.4 GiB
 higher (27360 and 31421 MiB against 22831); keeping the first plan, it has neither.
+
+NOTE [on-demand plan]: the levels are read at group boundaries, so they miss what a group's
+backward allocates inside it (its budget-shaped gradients): where the predicted peak is set by
+the end of backward, stashing one more group does not change it, yet lowers the start of
+backward, which holds the groups kept plus the first backward's temporaries. Measured on two
+H200 (qwen3-30b-a3b widths, expert parallel, 8 layers, capacity factor 2.0, ``prefetch=
+"on_demand"``; docs/exchange.md, "The stash at expert parallelism"): with the first 6 of 7
+groups stashed the peak came at the start of backward, beside the two groups kept. With
+``prefetch="on_demand"`` (a memory-first choice: no reload beside another group's backward)
+the plan therefore takes the most groups whose predicted peak is within ``TIE`` of the
+lowest; with a prefetch it takes the fewest (each stashed group costs two copies).
 
 NOTE [last group kept]: when the recorded schedule says a group's backward directly follows
 its own forward (the last layer before the loss), stashing it would copy rows out and back
@@ -50,6 +61,7 @@ from ._schedule import Event, kept_last
 from .config import StashConfig
 
 MIB = 2 ** 20
+TIE = 0.005         # NOTE [on-demand plan]: predicted peaks this close (of the step's) are equal
 
 
 def classify(group: Group, page_size: int, per_group: bool = False) -> None:
@@ -84,7 +96,7 @@ def classify(group: Group, page_size: int, per_group: bool = False) -> None:
 
 
 def predicted_peak(timeline: list, stashed, budget: dict, live: dict, factor: float,
-                   per_group: bool = False) -> float:
+                   per_group: bool = False, prefetch: bool = True) -> float:
     """The highest level of a measured step's ``timeline`` with the groups ``stashed`` stashed
     (NOTE [stash plan]).
 
@@ -98,6 +110,8 @@ def predicted_peak(timeline: list, stashed, budget: dict, live: dict, factor: fl
         factor: the pool's size over the live bytes it holds (``device_factor``).
         per_group: each stashed group's pages exist from its forward end until its backward
             start (``pool="per_group"``), not through the whole step (``"shared"``).
+        prefetch: a reload may come in beside the backward of the group before it (``False``
+            for ``StashConfig.prefetch="on_demand"``: a group's reload replaces it).
     """
     stashed = set(stashed)
     pool = 0.0 if per_group else factor * sum(live[g] for g in stashed)
@@ -116,7 +130,7 @@ def predicted_peak(timeline: list, stashed, budget: dict, live: dict, factor: fl
         here = level + pool + factor * sum(live[g] for g in lent) - sum(
             budget[g] for g in away)
         if kind == "B":
-            if stashed:
+            if stashed and prefetch:
                 here += reload
             lent.discard(gid)       # its pages are given back once its reload is done
         peak = max(peak, here)
@@ -174,7 +188,8 @@ class StashPlan:
             why = {gid: f"policy={policy!r}" for gid in candidates}
         elif usable:
             chosen, why = self._by_levels(timeline, candidates, budget, live, f,
-                                          config.pool == "per_group")
+                                          config.pool == "per_group",
+                                          config.prefetch != "on_demand")
         else:
             saving = sum(budget[g] - f * live[g] for g in candidates)
             cost = max((budget[g] for g in candidates), default=0)
@@ -196,12 +211,14 @@ class StashPlan:
         self.made = True
         self.keep_all = not chosen
 
-    def _by_levels(self, timeline, candidates, budget, live, f, per_group):
+    def _by_levels(self, timeline, candidates, budget, live, f, per_group, prefetch):
         """The first ``k`` candidates whose stashing gives the lowest predicted peak (NOTE
         [stash plan]); ``(chosen gids, {gid: why})``."""
-        peaks = [predicted_peak(timeline, candidates[:k], budget, live, f, per_group)
+        peaks = [predicted_peak(timeline, candidates[:k], budget, live, f, per_group, prefetch)
                  for k in range(len(candidates) + 1)]
         k = min(range(len(peaks)), key=lambda i: (peaks[i], i))
+        if k and not prefetch:      # NOTE [on-demand plan]: the most groups the levels allow
+            k = max(i for i in range(len(peaks)) if peaks[i] <= peaks[k] + TIE * peaks[0])
         self.predicted = (peaks[0], peaks[k])
         chosen = set(candidates[:k])
         if k:

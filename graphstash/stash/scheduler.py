@@ -27,8 +27,8 @@ sit beside the reloaded group, which sets the peak of a step whose layers are al
 ``"after_release"`` waits until autograd released every saved tensor of that group
 (``Entry.__del__``: the last node using them ran), so the reloaded tensors take the memory
 that group's tensors and temporaries held: a lower peak, and less of the copy time beside
-compute (docs/stash-performance.md, "Prefetch point"). Without a recording (the first step)
-or once a step departs from it, reloads happen on demand.
+compute (docs/stash-performance.md, "Prefetch point"). ``"on_demand"`` issues none ahead.
+Without a recording (the first step) or once a step departs from it, reloads happen on demand.
 
 NOTE [padding rows]: a reload writes the live rows and zeros the rows past the count
 (``zero_tail``, unless the context passed ``zero_tail=False``): the reloaded tensor differs
@@ -379,6 +379,8 @@ class GroupScheduler:
 
     # ---- backward -------------------------------------------------------------------------
     def _prefetch(self, event) -> None:
+        if self.buffers.config.prefetch == "on_demand":
+            return
         _, gid, name = event
         group = self._groups.get(gid)
         if (group is not None and group.name == name and group.has_stash
