@@ -28,6 +28,7 @@ import torch
 
 from ..memory import profile
 from ..models import PRESETS, MoEConfig, preset
+from ..stash.config import PREFETCH_POINTS
 from ..tables import FORMATS
 from . import options, progress, provenance, training
 
@@ -60,6 +61,9 @@ def add_arguments(p) -> None:
     p.add_argument("--capacity-factor", type=float, default=None,
                    help="static budget as a multiple of the average rows (below 1: rows are "
                    "over budget)")
+    p.add_argument("--stash-prefetch", default=None, choices=PREFETCH_POINTS,
+                   help="--mode stash: when a group's reload is issued (StashConfig.prefetch; "
+                   "default: the bench's, after_release)")
     p.add_argument("--plot", default=None, metavar="FILE",
                    help="write the memory timeline to FILE (PNG, PDF, SVG...; matplotlib)")
     p.add_argument("--device", default="auto",
@@ -182,8 +186,9 @@ def sizes(args, on_gpu: bool) -> tuple[MoEConfig, dict]:
     return config, reduced
 
 
-def _stash_config(mode: str, dev: torch.device):
-    """The stash configuration ``graphstash bench moe`` runs (None without stashing)."""
+def _stash_config(mode: str, dev: torch.device, prefetch: str | None = None):
+    """The stash configuration ``graphstash bench moe`` runs (None without stashing), with
+    ``prefetch`` (``--stash-prefetch``) if given."""
     if mode != "stash":
         return None
     from ..stash import StashConfig
@@ -191,9 +196,10 @@ def _stash_config(mode: str, dev: torch.device):
     if dev.type == "cuda":
         from .bench.moe_setup import stash_config
 
-        return stash_config(dev)
+        return stash_config(dev) if prefetch is None else stash_config(dev, prefetch)
     # The reduced model's saved tensors are small: let all of them be candidates.
-    return StashConfig(host_tier=False, min_tensor_bytes=0)
+    return StashConfig(host_tier=False, min_tensor_bytes=0,
+                       **({} if prefetch is None else {"prefetch": prefetch}))
 
 
 def header(args, config: MoEConfig, reduced: dict, dtype, dev, on_gpu: bool) -> str:
@@ -259,7 +265,8 @@ def run(args) -> int:
             progress.bar(WARMUP + steps, "memory: warmup, then the recorded steps",
                          show=leader) as bar:
         run_ = training.build(config, args.mode, dev, dtype, graphed=graphed,
-                              stash=_stash_config(args.mode, dev), warmup=WARMUP, group=group)
+                              stash=_stash_config(args.mode, dev, args.stash_prefetch),
+                              warmup=WARMUP, group=group)
         x, y = training.batches(config, 1, seed=SEED + rank, device=dev, dtype=dtype)[0]
 
         def step(*batch):

@@ -53,6 +53,7 @@ import torch
 
 from ...memory import static_footprint
 from ...models import PRESETS, MoEConfig
+from ...stash.config import PREFETCH_POINTS
 from ...tables import Column
 from .. import options, progress, training
 from ..output import Output
@@ -69,6 +70,7 @@ LAYERS_CAP = 16
 DTYPE = torch.bfloat16
 BATCHES = 4
 MIB = 2.0 ** 20
+DEFAULT_PREFETCH = "after_release"   # the live rows + stash row's (moe_setup.stash_config)
 PROFILE_STEPS = 3   # calls torch.profiler records per row and rank under --profile
 
 # NOTE [expert-parallel bench launch]: where the N ranks come from decides which rows can
@@ -120,6 +122,9 @@ def add_arguments(group) -> None:
                        help="expert parallelism over N ranks: the live-row exchange against "
                        "the eager peer, NCCL chunks and worst-case buffers (under torchrun N "
                        "is WORLD_SIZE; on one GPU the ranks are processes)")
+    group.add_argument("--stash-prefetch", choices=PREFETCH_POINTS, default=DEFAULT_PREFETCH,
+                       help="with --ep: when the live rows + stash row issues a group's reload "
+                       f"(StashConfig.prefetch; default {DEFAULT_PREFETCH})")
     group.add_argument("--transport", choices=TRANSPORTS, default=None,
                        help="the live rows' transport with --ep: auto (torchrun: symmetric "
                        "memory; one GPU: ipc; the CPU: gloo), ipc (ranks as processes sharing a "
@@ -266,7 +271,8 @@ class Plan:
     :func:`fit_layers` decides), the rows, the timed steps, the launch; ``stash``: the
     ``StashConfig`` of ``live rows + stash`` (None: :func:`graphstash.tools.bench.moe_setup.
     stash_config`, the one-GPU bench's); ``profile``: also profile :data:`PROFILE_STEPS` calls
-    of each row on every rank (``--profile``; CUDA kernels)."""
+    of each row on every rank (``--profile``; CUDA kernels); ``stash_prefetch``: that
+    config's ``prefetch`` (``--stash-prefetch``) when ``stash`` is None."""
     launch: Launch
     configs: dict
     rows: tuple
@@ -274,6 +280,7 @@ class Plan:
     fit: tuple
     stash: object = None
     profile: bool = False
+    stash_prefetch: str = DEFAULT_PREFETCH
 
 
 # NOTE [bench rows on the CPU]: the bench measures GPUs, but its measuring loop also runs on
@@ -312,13 +319,15 @@ def prepare(device: torch.device) -> None:
 
 
 def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *,
-                stash=None, profile: bool = False, on_call=None) -> dict:
+                stash=None, profile: bool = False, on_call=None,
+                stash_prefetch: str = DEFAULT_PREFETCH) -> dict:
     """Build ``row`` on this rank (``ranks``: :mod:`~graphstash.tools.bench.ep_ranks`), warm
     it up, capture, time ``steps`` calls on ``batches`` (:func:`graphstash.tools.training.
     batches`, this rank's) and return the figures the module docstring lists, each the largest
     over the ranks, with ``step_ms_spread`` (each of its figures the largest over the ranks)
     beside the median ``step_ms``. ``stash``: the ``StashConfig`` of ``live rows + stash``
-    (default: :func:`graphstash.tools.bench.moe_setup.stash_config`); ``profile``: add
+    (default: :func:`graphstash.tools.bench.moe_setup.stash_config` with ``stash_prefetch``);
+    ``profile``: add
     ``"kernels"``, every rank's :func:`~graphstash.tools.bench.kernel_share.profile_steps` of
     :data:`PROFILE_STEPS` calls after the timed ones, in rank order; ``on_call``: called
     without arguments after each call (outside the timed region). A collective."""
@@ -344,7 +353,7 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
         except ValueError as exc:      # no transport by peer addresses here (the same on all)
             return {"error": f"not available: {exc}"}
     if row == "live rows + stash" and stash is None:
-        stash = moe_setup.stash_config(device)
+        stash = moe_setup.stash_config(device, stash_prefetch)
     run = build_row(row, config, device, DTYPE, world_size=W, group=ranks.peer_group,
                     transport=transport, stash=stash,
                     release_warmup_cache=ranks.release_warmup_cache)
@@ -567,7 +576,8 @@ def run_rank(ranks, plan: Plan, out: Output | None = None) -> dict:
                     with progress.bar(calls, f"{name}: {row}", show=shown) as bar:
                         results[row] = measure_row(row, config, ranks, batches, plan.steps,
                                                    stash=plan.stash, profile=plan.profile,
-                                                   on_call=bar.update)
+                                                   on_call=bar.update,
+                                                   stash_prefetch=plan.stash_prefetch)
                 overall.update()
                 if not shown:
                     continue
@@ -613,7 +623,8 @@ def run(quick: bool = False, args=None, *, device=None, out: Output | None = Non
     fit = () if quick or explicit_layers else tuple(configs)
     steps = getattr(args, "steps", None) or (5 if quick else 20)
     plan = Plan(launch, configs, rows_from_args(args), steps, fit,
-                profile=bool(getattr(args, "profile", False)))
+                profile=bool(getattr(args, "profile", False)),
+                stash_prefetch=getattr(args, "stash_prefetch", None) or DEFAULT_PREFETCH)
     if launch.kind == "torchrun":
         import torch.distributed as dist
 

@@ -122,7 +122,7 @@ def count_exchange(group):
         dist.all_to_all_single = original
 
 
-def stash_config(device: torch.device):
+def stash_config(device: torch.device, prefetch: str = "after_release"):
     """The :class:`~graphstash.StashConfig` of the ``graph + budget + stash`` mode on the CUDA
     ``device`` (``graphstash memory --mode stash`` uses it too; on the CPU, where the tests
     run the mode, one copy block).
@@ -130,7 +130,8 @@ def stash_config(device: torch.device):
     NOTE [bench pool factor]: the pool is 1.05x the demand of the warmup steps: a layer's
     live rows vary by well under 1 % between random routings here. A step that outgrows it is
     flagged and rerun (the flags column), never silently wrong. Copies get half the
-    multiprocessors (NOTE [copy blocks] in stash/scheduler.py). A group's reload is issued once
+    multiprocessors (NOTE [copy blocks] in stash/scheduler.py). ``prefetch``: as
+    ``StashConfig.prefetch``; by default a group's reload is issued once
     autograd released the group before it (``prefetch="after_release"``, NOTE [prefetch]):
     in the memory-bound configuration that step was faster than issuing it at the last unpack,
     with the same peak, in every paired run (the figures and their command:
@@ -141,4 +142,4 @@ def stash_config(device: torch.device):
     on_gpu = torch.device(device).type == "cuda"
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 2
     return graphstash.StashConfig(host_tier=False, copy_blocks=max(1, sms // 2),
-                                  device_factor=1.05, prefetch="after_release")
+                                  device_factor=1.05, prefetch=prefetch)
