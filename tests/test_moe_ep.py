@@ -26,7 +26,7 @@ from _capture import capture_with_output
 from graphstash.moe import NcclChunks, budget_rows, combine, dispatch, grouped_mm
 
 from _faults import exchange_fault
-from _grad_checks import assert_far_from_zero, projected_loss, projection
+from _grad_checks import assert_far_from_zero, assert_grads_close, projected_loss, projection
 from _moe_data import routing, tokens
 from _world import CPU_WORLD, WORLD_SIZE, require_gpus
 
@@ -110,7 +110,14 @@ def _over_budget_case(rank, world, device, dtype, group):
     assert rank != 0 or int(status[L.SS_OVER_BUDGET]) == 1
 
 
-def _plain_case(rank, world, device, dtype, group, tol):
+# The peer's float32 sums run in another order over W ranks than on one device (its grouped
+# GEMMs see every rank's rows): on four H200 one element in a few hundred was 3e-5 off, of a
+# largest value near 1, past an elementwise 1e-5. Relative to the tensor's largest value, as
+# the bench's peer test compares; a wrong expert, weight or sign is off by O(1).
+PEER_REL = 1e-4
+
+
+def _plain_case(rank, world, device, dtype, group):
     """The peer (graphstash.models.plain, the bench's eager peer): all_to_all_single with split
     sizes read back, each rank holding ``E / W`` of the gated experts, equals the one-device
     peer with all of them: the output and the gradients of the tokens, the router weights and
@@ -135,13 +142,12 @@ def _plain_case(rank, world, device, dtype, group, tol):
         ref = plain_moe(xr, idxr, wr, *full, E, gated=True)
         (ref * gr).sum().backward()
         if r == rank:
-            assert_far_from_zero({"x": xr.grad, "topk_weight": wr.grad})
-            torch.testing.assert_close(out.detach(), ref.detach(), **tol)
-            torch.testing.assert_close(x.grad, xr.grad, **tol)
-            torch.testing.assert_close(w.grad, wr.grad, **tol)
-    assert_far_from_zero({"w1": full[0].grad[mine_experts], "w2": full[1].grad[mine_experts]})
-    for mine, ref in zip(local, full):
-        torch.testing.assert_close(mine.grad, ref.grad[mine_experts], **tol)
+            assert_grads_close({"out": out.detach(), "x": x.grad, "topk_weight": w.grad},
+                               {"out": ref.detach(), "x": xr.grad, "topk_weight": wr.grad},
+                               rel=PEER_REL)
+    assert_grads_close({"w1": local[0].grad, "w2": local[1].grad},
+                       {"w1": full[0].grad[mine_experts], "w2": full[1].grad[mine_experts]},
+                       rel=PEER_REL)
 
 
 def _exchange_buffers_case(rank, device, dtype, group):
@@ -273,7 +279,7 @@ def _run_cases(rank, world, backend, results_dir):
     _eager_case(rank, world, device, f32, group, None, None, tol, seed=12)  # dropless
     _eager_case(rank, world, device, f32, group, budget, 4, tol, seed=13, scaled=True)
     _over_budget_case(rank, world, device, f32, group)
-    _plain_case(rank, world, device, f32, group, tol)
+    _plain_case(rank, world, device, f32, group)
     _exchange_buffers_case(rank, device, f32, group)
     _wrong_exchange_case(rank, world, device, f32, group, budget, tol)
     _bad_input_case(world, device, f32, group)
