@@ -245,6 +245,32 @@ def test_on_overflow_can_veto_the_growth():
     assert all(s["capacity_factor"] == 0.6 for s in model.budgets.stats())
 
 
+def test_steps_only_over_budget_do_not_grow_the_stash():
+    """NOTE [stash growth]: with its budgets held (``on_overflow`` vetoes), a stash-mode model
+    goes over budget and reruns at every step; its stash never overflowed, so it keeps its
+    size (it grew 1.5x at every one of those reruns: 8 steps made its pages 1.5^8 = 26x their
+    demand)."""
+    model = MoEModel(_config(capacity_factor=0.6, routing="skew:2.0"), mode="stash", seed=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    config = graphstash.StashConfig(min_tensor_bytes=0, host_tier=False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+
+        @graphstash.graph_step(optimizer=opt, stash=config, on_overflow=lambda flags: False)
+        def step(x, proj):
+            loss = (model(x) * proj).sum() / T
+            loss.backward()
+            return loss.detach()
+
+        for x, proj in _batches(0, 8):
+            step(x, proj)
+    stats = step.stats
+    assert stats.over_budget == stats.eager_reruns == 8 and stats.overflows == 0, stats
+    assert step.stash_manager.config.device_factor == config.device_factor
+
+
 def test_a_budget_set_between_steps_is_taken_by_the_next_call():
     """set_factor (from on_overflow, or between steps) changes what the next call dispatches
     with; the step notices (budget_changes: one eager step, then a recapture on a GPU)."""
