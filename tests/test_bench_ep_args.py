@@ -179,6 +179,17 @@ def test_layers_fit_the_most_demanding_row():
     assert without_worst > moe_ep.fit_layers(m, 4, 1, h200)
 
 
+def test_a_stash_row_says_how_many_groups_each_rank_stashed():
+    """Each rank makes its own stash plan from its own step: where they differ the row gives
+    the range over the ranks (the figures are the largest over them), else the one count."""
+    r = {"step_ms": 1.0, "peak_mib": None, "activation_peak_mib": None, "sent_mib": 1.0,
+         "meta_kib": 1.0, "over_budget": 0, "overflow": 1, "reruns": 1, "calls": 5,
+         "groups": 4, "stashed_groups": 3, "stashed_groups_min": 0}
+    assert moe_ep.table_row("live rows + stash", r)[-2].endswith("; stashed 0-3/4 groups")
+    r["stashed_groups_min"] = 3
+    assert moe_ep.table_row("live rows + stash", r)[-2].endswith("; stashed 3/4 groups")
+
+
 def test_the_table_gives_ratios_and_says_what_did_not_run(capsys):
     def row(ms, sent):
         return {"step_ms": ms, "peak_mib": 100.0, "activation_peak_mib": 40.0,

@@ -394,6 +394,7 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
     share = W if ranks.memory_shared else 1
     stats = run.graph.stats if run.graph is not None else None
     plan = run.stash_manager.plan() if row == "live rows + stash" else []
+    stashed = sum(r["stashed"] for r in plan)     # each rank plans from its own step
     budgets = run.model.budgets
     budgets = budgets.factor_range() if budgets is not None else None
     if transport is not None and before is not None:
@@ -418,7 +419,7 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
         moved["sent"] / MIB, moved["local"] / MIB, moved["meta"] / 1024,
         stats.over_budget if stats else 0, stats.overflows if stats else 0,
         stats.eager_reruns if stats else 0, s["min"], s["q1"], s["q3"], s["max"],
-        stats.budget_changes if stats else 0])
+        stats.budget_changes if stats else 0, stashed, -stashed])
     (step_ms, peak_mib, act_mib, sent_mib, local_mib, meta_kib, over_budget, overflow,
      reruns) = figures[:9]
     if device.type != "cuda":          # no memory statistics on the CPU
@@ -429,8 +430,8 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
             "meta_kib": meta_kib, "bytes_counted": counted, "exchange": exchange,
             "over_budget": int(over_budget), "overflow": int(overflow), "reruns": int(reruns),
             "recaptures": int(figures[13]), "budgets": budgets,
-            "calls": calls, "stashed_groups": sum(r["stashed"] for r in plan),
-            "groups": len(plan), "kernels": kernels}
+            "calls": calls, "stashed_groups": int(figures[14]),
+            "stashed_groups_min": int(-figures[15]), "groups": len(plan), "kernels": kernels}
 
 
 def add_ratios(results: dict) -> None:
@@ -471,7 +472,9 @@ def title(name: str, entry: dict) -> str:
 
 def table_row(row: str, r: dict) -> list:
     """The values of ``row``'s line in the table (``r``: its figures, ratios where known)."""
-    stashed = (f"; stashed {r['stashed_groups']}/{r['groups']} groups" if r["groups"] else "")
+    low = r.get("stashed_groups_min", r["stashed_groups"])
+    most = r["stashed_groups"] if low == r["stashed_groups"] else f"{low}-{r['stashed_groups']}"
+    stashed = (f"; stashed {most}/{r['groups']} groups" if r["groups"] else "")
     return [row, r["step_ms"], range_text(r.get("step_ms_spread")), r.get("vs_eager_peer"),
             r.get("vs_worst_case"), r["peak_mib"], r["activation_peak_mib"], r["sent_mib"],
             r.get("sent_vs_eager_peer"), r["meta_kib"],
