@@ -193,11 +193,11 @@ def test_budgets_are_refused_by_name():
         DispatchBudgets().load_state_dict({"layers": 3})
 
 
-def _one_device_model(**over):
+def _one_device_model(mode: str = "budget", **over):
     # one device: capacity factor 1.0 is the dropless budget; 0.6 goes over under skew
     fields = dict(capacity_factor=0.6, routing="skew:2.0")
     fields.update(over)
-    return MoEModel(_config(**fields), seed=2)
+    return MoEModel(_config(**fields), mode=mode, seed=2)
 
 
 def test_one_device_budgets_grow_and_checkpoints_restore_them():
@@ -219,6 +219,26 @@ def test_one_device_budgets_grow_and_checkpoints_restore_them():
         [s["capacity_factor"] for s in model.budgets.stats()]
 
 
+def _train_vetoed(model, steps: int, on_overflow, **step_options):
+    """``steps`` calls of ``graph_step`` (eager on the CPU) over ``model`` whose budget
+    growth ``on_overflow`` vetoes; the decorated step."""
+    import warnings
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+
+        @graphstash.graph_step(optimizer=opt, on_overflow=on_overflow, **step_options)
+        def step(x, proj):
+            loss = (model(x) * proj).sum() / T
+            loss.backward()
+            return loss.detach()
+
+        for x, proj in _batches(0, steps):
+            step(x, proj)
+    return step
+
+
 def test_on_overflow_can_veto_the_growth():
     model = _one_device_model()
     seen = []
@@ -227,20 +247,7 @@ def test_on_overflow_can_veto_the_growth():
         seen.append(flags["over_budget"])
         return False                                           # keep the budgets
 
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-
-        @graphstash.graph_step(optimizer=opt, on_overflow=on_overflow)
-        def step(x, proj):
-            loss = (model(x) * proj).sum() / T
-            loss.backward()
-            return loss.detach()
-
-        for x, proj in _batches(0, 4):
-            step(x, proj)
+    step = _train_vetoed(model, 4, on_overflow)
     assert seen == [True] * 4 and step.stats.eager_reruns == 4
     assert all(s["capacity_factor"] == 0.6 for s in model.budgets.stats())
 
@@ -250,22 +257,9 @@ def test_steps_only_over_budget_do_not_grow_the_stash():
     goes over budget and reruns at every step; its stash never overflowed, so it keeps its
     size (it grew 1.5x at every one of those reruns: 8 steps made its pages 1.5^8 = 26x their
     demand)."""
-    model = MoEModel(_config(capacity_factor=0.6, routing="skew:2.0"), mode="stash", seed=2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model = _one_device_model(mode="stash")
     config = graphstash.StashConfig(min_tensor_bytes=0, host_tier=False)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-
-        @graphstash.graph_step(optimizer=opt, stash=config, on_overflow=lambda flags: False)
-        def step(x, proj):
-            loss = (model(x) * proj).sum() / T
-            loss.backward()
-            return loss.detach()
-
-        for x, proj in _batches(0, 8):
-            step(x, proj)
+    step = _train_vetoed(model, 8, lambda flags: False, stash=config)
     stats = step.stats
     assert stats.over_budget == stats.eager_reruns == 8 and stats.overflows == 0, stats
     assert step.stash_manager.config.device_factor == config.device_factor
