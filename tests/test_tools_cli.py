@@ -69,6 +69,18 @@ def test_cli_memory_runs_tiny_on_the_cpu(capsys, tmp_path, mode):
         assert "stash plan" in out and "stash pool" in out
 
 
+def test_cli_memory_stash_prefetch_on_demand_runs_and_bad_values_are_refused(capsys):
+    """``--stash-prefetch`` reaches the stash: ``on_demand`` runs the stash mode, an unknown
+    point is refused naming the flag."""
+    rc = cli.main(["memory", "--device", "cpu", "--mode", "stash", "--preset", "mixtral-8x7b",
+                   "--layers", "2", "--tokens", "64", "--hidden", "32", "--ffn", "48",
+                   "--stash-prefetch", "on_demand"])
+    assert rc == 0 and "stash plan" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["memory", "--stash-prefetch", "eventually"])
+    assert "--stash-prefetch" in capsys.readouterr().err
+
+
 def _memory_args(*argv):
     return cli.build_parser().parse_args(["memory", *argv])
 

@@ -42,11 +42,12 @@ backward allocates inside it (its budget-shaped gradients): where the predicted 
 the end of backward, stashing one more group does not change it, yet lowers the start of
 backward, which holds the groups kept plus the first backward's temporaries. Measured on two
 H200 (qwen3-30b-a3b widths, expert parallel, 8 layers, capacity factor 2.0, ``prefetch=
-"on_demand"``; docs/exchange.md, "The stash at expert parallelism"): with the first 6 of 7
-groups stashed the peak came at the start of backward, beside the two groups kept. With
-``prefetch="on_demand"`` (a memory-first choice: no reload beside another group's backward)
-the plan therefore takes the most groups whose predicted peak is within ``TIE`` of the
-lowest; with a prefetch it takes the fewest (each stashed group costs two copies).
+"on_demand"``; docs/exchange.md, "Reloads on demand"): with the first 6 of 7 groups stashed
+(the fewest at the lowest predicted peak) the peak came at the start of backward, beside the
+two groups kept, 1.21x the activation of the budget rows at capacity factor 1.25; with all 7,
+1.08x. With ``prefetch="on_demand"`` (a memory-first choice: no reload beside another group's
+backward) the plan therefore takes the most groups whose predicted peak is within ``TIE`` of
+the lowest; with a prefetch it takes the fewest (each stashed group costs two copies).
 
 NOTE [last group kept]: when the recorded schedule says a group's backward directly follows
 its own forward (the last layer before the loss), stashing it would copy rows out and back

@@ -194,9 +194,9 @@ def _stash_config(mode: str, dev: torch.device, prefetch: str | None = None):
     from ..stash import StashConfig
 
     if dev.type == "cuda":
-        from .bench.moe_setup import stash_config
+        from .bench.moe_setup import DEFAULT_PREFETCH, stash_config
 
-        return stash_config(dev) if prefetch is None else stash_config(dev, prefetch)
+        return stash_config(dev, prefetch or DEFAULT_PREFETCH)
     # The reduced model's saved tensors are small: let all of them be candidates.
     return StashConfig(host_tier=False, min_tensor_bytes=0,
                        **({} if prefetch is None else {"prefetch": prefetch}))

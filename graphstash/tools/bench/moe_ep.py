@@ -58,6 +58,7 @@ from ...tables import Column
 from .. import options, progress, training
 from ..output import Output
 from . import moe_setup
+from .moe_setup import DEFAULT_PREFETCH
 from .ep_rows import (PEER_ROWS, ROWS, TRANSPORT_ROWS, build_row, transport_bytes,
                       transport_sizes, unavailable)
 from .kernel_share import GROUPS, profile_steps
@@ -70,7 +71,6 @@ LAYERS_CAP = 16
 DTYPE = torch.bfloat16
 BATCHES = 4
 MIB = 2.0 ** 20
-DEFAULT_PREFETCH = "after_release"   # the live rows + stash row's (moe_setup.stash_config)
 PROFILE_STEPS = 3   # calls torch.profiler records per row and rank under --profile
 
 # NOTE [expert-parallel bench launch]: where the N ranks come from decides which rows can
@@ -327,8 +327,7 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
     over the ranks, with ``step_ms_spread`` (each of its figures the largest over the ranks)
     beside the median ``step_ms``. ``stash``: the ``StashConfig`` of ``live rows + stash``
     (default: :func:`graphstash.tools.bench.moe_setup.stash_config` with ``stash_prefetch``);
-    ``profile``: add
-    ``"kernels"``, every rank's :func:`~graphstash.tools.bench.kernel_share.profile_steps` of
+    ``profile``: add ``"kernels"``, every rank's :func:`~graphstash.tools.bench.kernel_share.profile_steps` of
     :data:`PROFILE_STEPS` calls after the timed ones, in rank order; ``on_call``: called
     without arguments after each call (outside the timed region). A collective."""
     tick = on_call if on_call is not None else (lambda: None)
@@ -419,7 +418,7 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
         moved["sent"] / MIB, moved["local"] / MIB, moved["meta"] / 1024,
         stats.over_budget if stats else 0, stats.overflows if stats else 0,
         stats.eager_reruns if stats else 0, s["min"], s["q1"], s["q3"], s["max"],
-        stats.budget_changes if stats else 0, stashed, -stashed])
+        stats.budget_changes if stats else 0, stashed, -stashed])   # -: the fewest
     (step_ms, peak_mib, act_mib, sent_mib, local_mib, meta_kib, over_budget, overflow,
      reruns) = figures[:9]
     if device.type != "cuda":          # no memory statistics on the CPU

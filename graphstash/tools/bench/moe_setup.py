@@ -122,7 +122,10 @@ def count_exchange(group):
         dist.all_to_all_single = original
 
 
-def stash_config(device: torch.device, prefetch: str = "after_release"):
+DEFAULT_PREFETCH = "after_release"     # the stash rows' StashConfig.prefetch (see below)
+
+
+def stash_config(device: torch.device, prefetch: str = DEFAULT_PREFETCH):
     """The :class:`~graphstash.StashConfig` of the ``graph + budget + stash`` mode on the CUDA
     ``device`` (``graphstash memory --mode stash`` uses it too; on the CPU, where the tests
     run the mode, one copy block).
