@@ -609,7 +609,7 @@ def _warn_over_budget(plan: RoutingPlan, budget: int) -> None:
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
              num_experts: int, *, budget: int | None, pad_multiple: int | None = None,
              exchange=None, status: torch.Tensor | None = None, backend: str = "auto",
-             group=None, chunk_rows: int | None = None):
+             group=None, chunk_rows: int | None = None, keep_rows: int | None = None):
     """Permute tokens by expert into a static buffer of ``budget`` rows.
 
     Args:
@@ -636,6 +636,12 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
             :func:`default_status`).
         backend: ``"auto"``, ``"cupy"`` or ``"reference"``.
         group, chunk_rows: deprecated: ``exchange=NcclChunks(group, chunk_rows)``.
+        keep_rows: through a :class:`~graphstash.moe.exchange.LiveRows` exchange with a
+            budget, the rows this rank's experts compute on (an int in ``[1, budget]``; None:
+            the budget): ``permuted``, the counts and what combine sends back are its first
+            ``keep_rows`` rows, and a routing that fills more sets ``OVERFLOW_POOL`` in the
+            status (NOTE [rows the stash keeps] in ``graphstash/stash/plan.py``). Ignored
+            when dropless.
 
     Returns:
         ``(permuted, tokens_per_expert, handle)``: ``permuted`` is ``[budget, hidden]`` in
@@ -656,6 +662,11 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
     """
     exchange = as_exchange(exchange, group, chunk_rows, caller="dispatch")
     _check_dispatch_args(x, topk_idx, topk_weight, num_experts, budget, pad_multiple, exchange)
+    if keep_rows is not None:
+        require_positive_int("keep_rows", keep_rows)
+        if budget is not None and keep_rows > budget:
+            raise ValueError(f"keep_rows: expected at most the budget ({budget} rows), got "
+                             f"{keep_rows}")
     exchange = exchange.for_tokens(x)
     dropless = budget is None or is_dropless()
     status, source = resolve(status, x.device)
@@ -668,6 +679,11 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                                   None if dropless else budget, pad_multiple,
                                   row_bytes=x.shape[1] * x.element_size(), status=status,
                                   kernels=kernels)
+    if keep_rows is not None and not dropless:
+        if not hasattr(plan, "keep_rows"):
+            raise ValueError(f"keep_rows: only a live-row exchange computes on fewer rows than "
+                             f"its budget; exchange={exchange!r} does not (pass None)")
+        plan = plan.keep_rows(keep_rows)
     local = exchange is ONE_DEVICE
     if (source == "default" and not dropless and reading_allowed()
             and not _fits_any_routing(x.shape[0], topk_idx.shape[1],

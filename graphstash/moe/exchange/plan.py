@@ -21,6 +21,7 @@ import torch
 from . import layout as X
 from ... import _layout as L
 from ..._checks import forbid_capture
+from ...status import raise_flag
 from .._routing import plan_local
 from .transport import NO_BUDGET, Transport
 
@@ -70,6 +71,34 @@ class ExchangePlan:
     @property
     def pairs(self) -> int:
         return self.num_tokens * self.topk
+
+    def keep_rows(self, rows: int) -> "ExchangePlan":
+        """This plan with this rank's experts computing on the first ``rows`` rows of its
+        budget only (NOTE [rows the stash keeps] in ``graphstash/stash/plan.py``): the
+        permuted buffer, the counts (clamped so their sum never exceeds ``rows``) and the rows
+        sent back shrink to them. Every rank still pushes into the others' whole budget (the
+        receive rounds, and so the barriers, stay those of every rank). Where the routing
+        filled more than ``rows`` rows of this rank, the rows past them go back to no token:
+        the status gets ``OVERFLOW_POOL`` (a step to rerun, as a stash too small for its
+        rows). Capturable: no host read.
+
+        Args:
+            rows: an int in ``[1, budget_rows]``.
+        """
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 0 < rows <= self.budget_rows:
+            raise ValueError(f"rows: expected an int in [1, {self.budget_rows}] (the plan's "
+                             f"budget rows), got {rows!r}")
+        if rows == self.budget_rows:
+            return self
+        ends = torch.cumsum(self.tokens_per_expert, 0, dtype=torch.int64).clamp_(max=rows)
+        counts = torch.diff(ends, prepend=ends.new_zeros(1)).to(torch.int32)
+        if self.status is not None:
+            raise_flag(self.status, L.SS_OVERFLOW,
+                       (self.live_rows > rows).to(torch.int32) * L.OVERFLOW_POOL)
+        return dataclasses.replace(
+            self, budget_rows=rows, tokens_per_expert=counts,
+            live_rows=self.live_rows.clamp(max=rows), row_src=self.row_src[:rows],
+            row_peer=self.row_peer[:rows], row_slot=self.row_slot[:rows])
 
 
 def plan_exchange(topk_idx: torch.Tensor, num_experts: int, budget_rows: int | None,
