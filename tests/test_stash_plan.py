@@ -110,6 +110,7 @@ class _Measured:
     def __init__(self, gid: int, budget: float, live: float):
         self.gid, self.name = gid, "moe"
         self.plan_bytes = {"k": (int(budget * GIB), int(live * GIB))}
+        self.rows_peak = int(live * 1000)        # live rows, as a stash's warmup counts them
 
 
 def _plan(layers, budget, live, grads, policy="auto", pool="shared", prefetch="at_last_unpack"):
@@ -185,6 +186,22 @@ def test_on_demand_plans_take_the_most_groups_among_equal_peaks():
     assert sum(r["stashed"] for r in ahead.rows) < 7, ahead.rows
     heavy = _plan(8, budget=0.56, live=0.45, grads=1.0, pool="per_group", prefetch="on_demand")
     assert not any(r["stashed"] for r in heavy.rows)
+
+
+def test_rows_kept_are_what_the_pages_hold_for_stashed_groups_and_the_last():
+    """NOTE [rows the stash keeps]: a stashed group, and the last group while others are
+    stashed, compute on ``factor`` x their measured live rows in whole pages; groups the plan
+    keeps by choice, and every group of a plan that stashes none, on their whole budget."""
+    lazy = _plan(8, budget=0.9, live=0.45, grads=0.7, pool="per_group", prefetch="on_demand")
+    assert [r["stashed"] for r in lazy.rows] == [True] * 7 + [False]
+    assert all(lazy.rows_kept(g, 1.1, 64) == 64 * -(-495 // 64) for g in range(8))   # 1.1 x 450
+    assert lazy.rows_kept(8, 1.1, 64) is None             # a group the measured step lacked
+    ahead = _plan(8, budget=0.9, live=0.45, grads=0.7, pool="per_group", prefetch="after_release")
+    kept_by_choice = [r["group"] for r in ahead.rows[:-1] if not r["stashed"]]
+    assert kept_by_choice and all(ahead.rows_kept(g, 1.1, 64) is None for g in kept_by_choice)
+    assert ahead.rows_kept(7, 1.1, 64) == 512
+    none = _plan(8, budget=0.56, live=0.45, grads=1.0)
+    assert none.keep_all and all(none.rows_kept(g, 1.1, 64) is None for g in range(8))
 
 
 def test_gradients_that_outgrow_the_saved_rows_keep_every_group():

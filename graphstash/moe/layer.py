@@ -106,9 +106,11 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
             budget = layer_budget.rows(**sizing)
         else:
             budget = budget_rows(capacity_factor=capacity_factor, **sizing)
+    stashing = manager is not None and torch.is_grad_enabled() and not is_dropless()
+    keep = _rows_kept(manager, exchange, budget, x) if stashing else None
     permuted, counts, handle = dispatch(x, topk_idx, topk_weight, num_experts, budget=budget,
                                         pad_multiple=pad_multiple, exchange=exchange,
-                                        status=status)
+                                        status=status, keep_rows=keep)
 
     def experts() -> torch.Tensor:
         # NOTE [moe layer]: the router weights scale the activation, unless a norm follows
@@ -121,7 +123,7 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
             return combine(y, handle, weighted=False)
         return combine(post_norm(y), handle, weighted=True)
 
-    if manager is None or not torch.is_grad_enabled() or is_dropless():
+    if not stashing:
         out = experts()
     else:
         from ..stash import stash_activations
@@ -135,6 +137,20 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
         layer_budget.record(handle.plan.demand_rows, status,
                             max_rows=getattr(exchange, "capacity_rows", None), **sizing)
     return out
+
+
+def _rows_kept(manager, exchange, budget, x) -> int | None:
+    """The rows the stash lets this layer's experts compute on when tokens ``x`` go through a
+    live-row exchange (NOTE [rows the stash keeps] in ``graphstash/stash/plan.py``), or None:
+    the budget."""
+    from .exchange import LiveRows
+
+    if budget is None or exchange.world_size < 2:
+        return None
+    if not isinstance(exchange.for_tokens(x), LiveRows):     # the same exchange dispatch takes
+        return None
+    rows = manager.next_group_rows()
+    return rows if rows is not None and rows < budget else None
 
 
 def _stash_manager(stash):

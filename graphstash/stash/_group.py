@@ -97,6 +97,7 @@ class Group:
         self.b_index: int | None = None
         self.demand: dict = {}              # key -> (pages, record entries) in warmup steps
         self.plan_bytes: dict = {}          # key -> (budget bytes, live bytes) in warmup steps
+        self.rows_peak = 0                  # the most live rows (per segment) measured
 
     @property
     def label(self) -> str:

@@ -151,6 +151,16 @@ class StashManager:
         forbid_capture("StashManager.replan()")
         self.scheduler.replan()
 
+    def next_group_rows(self) -> int | None:
+        """The rows the experts of the next ``stash_activations`` group compute on, or None
+        for their whole budget (NOTE [rows the stash keeps] in ``plan.py``): what its pages
+        hold (``device_factor`` plus ``host_factor`` x its measured live rows, in whole pages)
+        once the plan stashes it, or keeps it only because its backward follows its forward;
+        None before the plan, for a group the plan keeps by choice, while released or
+        remeasuring. Host only, no sync; ``moe_layer`` passes it to an expert-parallel
+        dispatch as ``keep_rows``."""
+        return self.scheduler.next_group_rows()
+
     def plan_table(self, fmt: str = "text") -> str:
         """:meth:`plan` as a table (bytes in MiB) in ``fmt``: ``"text"`` or ``"md"``."""
         return self.scheduler.plan.table(fmt)

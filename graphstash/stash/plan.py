@@ -52,8 +52,30 @@ the lowest; with a prefetch it takes the fewest (each stashed group costs two co
 NOTE [last group kept]: when the recorded schedule says a group's backward directly follows
 its own forward (the last layer before the loss), stashing it would copy rows out and back
 with nothing in between; the group keeps its tensors instead and takes no pages.
+
+NOTE [rows the stash keeps]: a stashed group's pages hold ``device_factor`` (plus
+``host_factor``) x its measured live rows; a step whose routing fills more overflows the
+pool and is rerun dropless, and the stash grows (NOTE [stash growth] in
+``graphstash/graph/_step.py``). Rows of the budget past what the pages hold can never reach a
+gradient that is kept, yet the experts computed on the whole budget: their reloads and every
+temporary of their backward were budget-sized, and with a generous budget those set the
+step's peak (qwen3-30b-a3b widths, expert parallel, capacity factor 4.0: one group's reloaded
+input and pre-activation, 1.8 GiB, and its output and activation gradients, 1.4 GiB, beside
+the gradients late in backward; docs/exchange.md, "Rows the stash keeps"). So under a
+live-row exchange the experts of such a group compute on the rows its pages hold
+(:meth:`StashManager.next_group_rows`, ``dispatch(keep_rows=)``,
+:meth:`~graphstash.moe.exchange.ExchangePlan.keep_rows`): the permuted buffer, the saved
+tensors, the reloads and the backward's temporaries all shrink to them, and a routing that
+fills more raises ``OVERFLOW_POOL``, as the pool itself would. The group the plan keeps only
+because its backward follows its own forward computes on as many rows, when the plan stashes
+any group: it holds as many rows as the pages would. A group the plan keeps by choice (its
+stash would not lower the peak) computes on its whole budget, and a plan that stashes nothing
+changes nothing. One device keeps the whole budget: its experts regather their input and keep
+only the pre-activation (NOTE [regathered input] in ``graphstash/moe/mlp.py``).
 """
 from __future__ import annotations
+
+import math
 
 from .. import _layout as L
 from ..tables import Column, Table
@@ -157,6 +179,8 @@ class StashPlan:
         self._stashed: set[int] = set()
         self._measured: set[int] = set()
         self._unseen = False              # what a group the measured step lacked gets
+        self._rows: dict[int, int] = {}   # gid -> the most live rows measured
+        self._last: set[int] = set()      # NOTE [last group kept]
 
     def stashes(self, gid: int) -> bool:
         """Whether group ``gid`` is stashed: every group until the plan is made (its demand is
@@ -168,6 +192,20 @@ class StashPlan:
         if gid in self._measured:
             return gid in self._stashed
         return self._unseen
+
+    def rows_kept(self, gid: int, factor: float, page_size: int) -> int | None:
+        """The rows group ``gid``'s experts compute on (NOTE [rows the stash keeps]): what
+        its pages hold, ``factor`` x its measured live rows in whole pages of ``page_size``
+        rows, when the plan stashes it, or keeps it only because its backward follows its
+        forward while it stashes others; None otherwise (its whole budget)."""
+        if not self.made or self.keep_all or gid not in self._measured:
+            return None
+        if gid not in self._stashed and gid not in self._last:
+            return None
+        rows = self._rows.get(gid, 0)
+        if rows <= 0:
+            return None
+        return page_size * math.ceil(factor * rows / page_size - 1e-9)
 
     def make(self, events: list[Event], groups: list[Group], config: StashConfig,
              timeline: list | None = None) -> None:
@@ -208,6 +246,8 @@ class StashPlan:
                       else why[g.gid]} for g in groups]
         self._stashed = chosen
         self._measured = {g.gid for g in groups}
+        self._rows = {g.gid: g.rows_peak for g in groups}
+        self._last = set(last)
         self._unseen = bool(chosen) and (policy == "always" or not usable)
         self.made = True
         self.keep_all = not chosen

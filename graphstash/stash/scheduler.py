@@ -217,6 +217,16 @@ class GroupScheduler:
             for key, (pages, entries) in replay_demand(self._schedule.events, demand).items():
                 self.buffers.note_peak(key, pages, entries)
 
+    def next_group_rows(self) -> int | None:
+        """The rows the next group's experts compute on (NOTE [rows the stash keeps] in
+        ``plan.py``), or None for its whole budget."""
+        if self._remeasure or self.buffers.released:
+            return None
+        gid = self._next_gid if self._step_open and not self._steps_apart() else 0
+        c = self.buffers.config
+        factor = c.device_factor + (c.host_factor if c.host_tier else 0.0)
+        return self.plan.rows_kept(gid, factor, c.page_size)
+
     def _level(self, kind: str, gid: int) -> bool:
         """Add the bytes in use (:attr:`memory_meter`) to the timeline the plan is made from
         (NOTE [stash plan]): until the plan is made, outside a capture. Returns whether it
@@ -339,6 +349,7 @@ class GroupScheduler:
         S, cap, _ = e.layout
         P = self.buffers.config.page_size
         pages = sum(-(-n // P) for n in scope.counts_host if 0 <= n <= cap)
+        group.rows_peak = max([group.rows_peak] + [n for n in scope.counts_host if 0 <= n <= cap])
         old_pages, old_entries = group.demand.get(e.key, (0, 0))
         group.demand[e.key] = (old_pages + pages, old_entries + e.record_len)
         row_bytes = e.layout[2] * e.tensor.element_size()

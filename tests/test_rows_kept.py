@@ -1,0 +1,168 @@
+"""The experts of a stashed group compute on the rows its pages hold (NOTE [rows the stash
+keeps] in graphstash/stash/plan.py), over two gloo ranks: ``dispatch(keep_rows=)`` gives the
+same outputs and gradients as the whole budget while the live rows fit and raises the pool's
+overflow flag when they do not; ``MoEModel(config, group=g)`` in stash mode under
+``graph_step`` computes its stashed groups on those rows and trains as a dropless model does,
+through steps whose routing overflows them."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from graphstash import _layout as L
+
+from _ranks import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def _layer(transport, seed: int, keep_rows, budget: int):
+    """One MoE layer (gated experts, router weights on the activations) through the
+    exchange with ``keep_rows``; ``(output, grads, permuted rows, counts sum, status)``."""
+    from graphstash.moe import combine, dispatch, expert_mlp
+
+    from _exchange_cases import expert_weights, rank_data
+
+    rank, world = transport.rank, transport.world_size
+    E = 4
+    El = E // world
+    x, idx, w, proj = rank_data(seed, rank, 24, E, torch.device("cpu"))
+    x.requires_grad_(), w.requires_grad_()
+    w1, w2 = (t[rank * El:(rank + 1) * El].clone().requires_grad_()
+              for t in expert_weights(seed, E, torch.device("cpu")))
+    status = torch.zeros(L.STATUS_SIZE, dtype=torch.int32)
+    permuted, counts, handle = dispatch(x, idx, w, E, budget=budget, pad_multiple=4,
+                                        exchange=transport, status=status, keep_rows=keep_rows)
+    y = expert_mlp(permuted, w1, w2, counts, handle.permuted_weights(), gated=True,
+                   handle=handle)
+    out = combine(y, handle, weighted=False)
+    (out.double() * proj.double()).sum().backward()
+    return (out.detach(), (x.grad, w.grad, w1.grad, w2.grad), permuted.shape[0],
+            int(counts.sum()), status)
+
+
+def _keep_rows_ranks(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from graphstash.moe.exchange import build_gloo_transport
+
+    from _exchange_cases import H, fitting_budget
+
+    budget = fitting_budget(24, world, 4, 4)
+    transport = build_gloo_transport(capacity_rows=budget, row_bytes=H * 4, max_experts=4)
+    full = _layer(transport, 3, None, budget)
+    assert full[2] == budget and int(full[4][L.SS_OVERFLOW]) == 0
+    live = full[3]
+    for g in full[1]:
+        assert g.abs().max() > 1e-3, "reference gradients must be far from zero"
+    # the live rows fit: every output and gradient is the whole budget's, bit for bit
+    fit = -(-live // 4) * 4
+    kept = _layer(transport, 3, fit, budget)
+    assert kept[2] == fit < budget and kept[3] == live
+    assert int(kept[4][L.SS_OVERFLOW]) == 0
+    assert torch.equal(kept[0], full[0])
+    for name, a, b in zip(("x", "topk_weight", "w1", "w2"), kept[1], full[1]):
+        assert torch.equal(a, b), f"rank {rank}: the gradient of {name} changed"
+    # rank 0 keeps half its live rows: it flags the pool's overflow, and the rows it left
+    # out reach no token (some output differs somewhere)
+    half = (live // 2) // 4 * 4 if rank == 0 else None
+    cut = _layer(transport, 3, half, budget)
+    if rank == 0:
+        assert cut[2] == half and cut[3] == half
+        assert int(cut[4][L.SS_OVERFLOW]) & L.OVERFLOW_POOL
+    else:
+        assert int(cut[4][L.SS_OVERFLOW]) == 0
+    differs = torch.tensor([int(not torch.equal(cut[0], full[0]))])
+    dist.all_reduce(differs)
+    assert int(differs) >= 1
+    transport.close()
+
+
+def test_keep_rows_equals_the_whole_budget_while_the_rows_fit_and_flags_when_not():
+    run_ranks(_keep_rows_ranks, 2)
+
+
+def _model_ranks(rank: int, world: int) -> dict:
+    """README's ``MoEModel(config, group=g)`` in stash mode under graph_step, routing that
+    drifts between the ranks' experts (so some steps fill more rows than the first step
+    measured), against the dropless model trained on every rank's tokens."""
+    import torch.distributed as dist
+
+    import graphstash
+    from graphstash.models import MoEConfig, MoEModel
+    from graphstash.moe.exchange import ExchangePlan
+    from graphstash.stash import StashConfig
+
+    from _exchange_cases import assert_trained_close
+
+    T, E = 32, 4
+    config = MoEConfig(hidden=16, ffn=16, num_experts=E, topk=2, layers=3, num_tokens=T,
+                       capacity_factor=float(world), pad_multiple=4, gated=True,
+                       routing="drift:0.7:2")
+    model = MoEModel(config, mode="stash", group=dist.group.WORLD, seed=5)
+    ref = MoEModel(config, mode="dropless", seed=5)
+    experts, ref_experts = [], []
+    for m, keep in ((model, experts), (ref, ref_experts)):
+        for name, p in m.named_parameters():
+            p.requires_grad_(name.endswith(("w1", "w2")))
+            if p.requires_grad:
+                keep.append(p)
+    opt = torch.optim.AdamW(experts, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref_experts, lr=1e-2)
+    kept_rows = []
+    real_keep = ExchangePlan.keep_rows
+
+    def spy(plan, rows):
+        kept_rows.append((rows, plan.budget_rows))
+        return real_keep(plan, rows)
+
+    ExchangePlan.keep_rows = spy
+
+    @graphstash.graph_step(optimizer=opt, stash=StashConfig(policy="always", page_size=4,
+                                                             min_tensor_bytes=0))
+    def train_step(x, proj):
+        loss = (model(x).float() * proj).sum()
+        loss.backward()
+        return loss.detach()
+
+    gen = torch.Generator().manual_seed(11)
+    steps = 8
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "graphstash.graph_step", RuntimeWarning)
+            for i in range(steps):
+                xs = [torch.randn(T, 16, generator=gen) for _ in range(world)]
+                projs = [torch.randn(T, 16, generator=gen) for _ in range(world)]
+                model.set_routing_step(i)
+                for a, b in zip(model.blocks, ref.blocks):
+                    b.routing_bias.copy_(a.routing_bias)
+                train_step(xs[rank], projs[rank])
+                ref_opt.zero_grad()
+                (ref(torch.cat(xs)).float() * torch.cat(projs)).sum().backward()
+                ref_opt.step()
+    finally:
+        ExchangePlan.keep_rows = real_keep
+    stats = train_step.stats
+    assert stats.steps == steps, stats
+    El = E // world
+    for i, (p, q) in enumerate(zip(experts, ref_experts)):
+        assert q.grad.abs().max() > 1e-4, f"reference gradient {i} is ~0"
+        assert_trained_close(p, q[rank * El:(rank + 1) * El], f"rank {rank} expert weight {i}")
+    assert kept_rows and all(rows < budget for rows, budget in kept_rows), kept_rows
+    overflowed = torch.tensor([stats.eager_reruns])
+    dist.all_reduce(overflowed, op=dist.ReduceOp.MIN)
+    return {"kept": len(kept_rows), "reruns": stats.eager_reruns,
+            "every_rank_reran": int(overflowed)}
+
+
+def test_moe_model_stash_computes_on_the_kept_rows_and_trains_as_dropless():
+    results = run_ranks(_model_ranks, 2)
+    for text in results:
+        report = eval(text)
+        # the three layers of at least the first step after the plan computed on fewer rows
+        # than their budget, and the drifting routing overflowed what the first step
+        # measured at least once (every rank reran: the flags are summed over the ranks)
+        assert report["kept"] >= 3, report
+        assert report["every_rank_reran"] >= 1, report
