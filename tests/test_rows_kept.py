@@ -15,7 +15,19 @@ from graphstash import _layout as L
 
 from _ranks import run_ranks
 
-pytestmark = pytest.mark.slow
+
+
+def test_keep_rows_is_refused_by_name():
+    """Out of range, or through an exchange whose plans cannot leave rows out (one device)."""
+    from graphstash.moe import dispatch
+
+    from _exchange_cases import rank_data
+
+    x, idx, w, _ = rank_data(1, 0, 8, 4, torch.device("cpu"))
+    for keep, why in ((0, "keep_rows"), (True, "keep_rows"), (33, "at most the budget"),
+                      (8, "only a live-row exchange")):
+        with pytest.raises((TypeError, ValueError), match=why):
+            dispatch(x, idx, w, 4, budget=32, keep_rows=keep)
 
 
 def _layer(transport, seed: int, keep_rows, budget: int):

@@ -309,7 +309,10 @@ class RowExchange(Protocol):
     ``for_tokens(x)`` is the exchange that moves tokens like ``x``, after refusing what it
     cannot move (itself, or, for one built where the model runs, the one it built). One whose
     region cannot grow may say how many rows a rank receives at most (``capacity_rows``): an
-    adaptive budget stops growing there (NOTE [adaptive budgets]). The live-row exchange lives above this
+    adaptive budget stops growing there (NOTE [adaptive budgets]). One whose plans can leave
+    the rows past the first ``n`` of a rank's budget out (``plan.keep_rows(n)``, for
+    ``dispatch(keep_rows=)``) says so with ``keeps_rows = True``; without it, False. The
+    live-row exchange lives above this
     module, so dispatch knows it only through this protocol and never imports it; a
     :class:`~graphstash.moe.exchange.Transport` given as ``exchange=`` is turned into one by
     the adapter its package registers (:func:`register_transport_adapter`).
@@ -668,6 +671,9 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
             raise ValueError(f"keep_rows: expected at most the budget ({budget} rows), got "
                              f"{keep_rows}")
     exchange = exchange.for_tokens(x)
+    if keep_rows is not None and not getattr(exchange, "keeps_rows", False):
+        raise ValueError(f"keep_rows: only a live-row exchange computes on fewer rows than its "
+                         f"budget; exchange={exchange!r} does not (pass None)")
     dropless = budget is None or is_dropless()
     status, source = resolve(status, x.device)
     kernels = kernels_for(backend, x.device)
@@ -680,9 +686,6 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                                   row_bytes=x.shape[1] * x.element_size(), status=status,
                                   kernels=kernels)
     if keep_rows is not None and not dropless:
-        if not hasattr(plan, "keep_rows"):
-            raise ValueError(f"keep_rows: only a live-row exchange computes on fewer rows than "
-                             f"its budget; exchange={exchange!r} does not (pass None)")
         plan = plan.keep_rows(keep_rows)
     local = exchange is ONE_DEVICE
     if (source == "default" and not dropless and reading_allowed()

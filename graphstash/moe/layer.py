@@ -143,11 +143,9 @@ def _rows_kept(manager, exchange, budget, x) -> int | None:
     """The rows the stash lets this layer's experts compute on when tokens ``x`` go through a
     live-row exchange (NOTE [rows the stash keeps] in ``graphstash/stash/plan.py``), or None:
     the budget."""
-    from .exchange import LiveRows
-
     if budget is None or exchange.world_size < 2:
         return None
-    if not isinstance(exchange.for_tokens(x), LiveRows):     # the same exchange dispatch takes
+    if not getattr(exchange.for_tokens(x), "keeps_rows", False):   # the one dispatch takes
         return None
     rows = manager.next_group_rows()
     return rows if rows is not None and rows < budget else None

@@ -29,6 +29,8 @@ class LiveRows:
         permuted, counts, handle = dispatch(x, idx, w, E, budget=budget, exchange=exchange)
     """
 
+    keeps_rows = True           # its plans can leave rows of the budget out (ExchangePlan.keep_rows)
+
     def __init__(self, transport: Transport):
         if not isinstance(transport, Transport):
             raise TypeError(f"transport: expected a graphstash.moe.exchange.Transport, got "
