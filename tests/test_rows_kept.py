@@ -165,7 +165,7 @@ def _model_ranks(rank: int, world: int) -> dict:
     assert kept_rows and all(rows < budget for rows, budget in kept_rows), kept_rows
     overflowed = torch.tensor([stats.eager_reruns])
     dist.all_reduce(overflowed, op=dist.ReduceOp.MIN)
-    return {"kept": len(kept_rows), "reruns": stats.eager_reruns,
+    return {"kept": len(kept_rows), "reruns": stats.eager_reruns, "ahead": stats.stash_grown_ahead,
             "every_rank_reran": int(overflowed)}
 
 
@@ -178,3 +178,78 @@ def test_moe_model_stash_computes_on_the_kept_rows_and_trains_as_dropless():
         # measured at least once (every rank reran: the flags are summed over the ranks)
         assert report["kept"] >= 3, report
         assert report["every_rank_reran"] >= 1, report
+
+
+def _gradual_ranks(rank: int, world: int, grow_ahead: float) -> dict:
+    """README's ``MoEModel(config, group=g)`` in stash mode under graph_step while rank 0's
+    experts gain rows step by step (their router bias rises by 0.08 a step, as a training
+    router's preference moves), against the dropless model trained on every rank's tokens;
+    ``grow_ahead`` is the fill that grows the stash (above 1: never ahead)."""
+    import torch.distributed as dist
+
+    import graphstash
+    import graphstash.stash.manager as stash_manager
+    from graphstash.models import MoEConfig, MoEModel
+    from graphstash.stash import StashConfig
+
+    from _exchange_cases import assert_trained_close
+
+    stash_manager.GROW_AHEAD = grow_ahead
+    T, E = 256, 4
+    config = MoEConfig(hidden=16, ffn=16, num_experts=E, topk=2, layers=3, num_tokens=T,
+                       capacity_factor=float(world), pad_multiple=4, gated=True,
+                       routing="skew:0.0")
+    model = MoEModel(config, mode="stash", group=dist.group.WORLD, seed=5)
+    ref = MoEModel(config, mode="dropless", seed=5)
+    experts, ref_experts = [], []
+    for m, keep in ((model, experts), (ref, ref_experts)):
+        for name, p in m.named_parameters():
+            p.requires_grad_(name.endswith(("w1", "w2")))
+            if p.requires_grad:
+                keep.append(p)
+    opt = torch.optim.AdamW(experts, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref_experts, lr=1e-2)
+
+    @graphstash.graph_step(optimizer=opt, stash=StashConfig(policy="always", page_size=4,
+                                                             min_tensor_bytes=0))
+    def train_step(x, proj):
+        loss = (model(x).float() * proj).sum()
+        loss.backward()
+        return loss.detach()
+
+    gen = torch.Generator().manual_seed(12)
+    steps = 10
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "graphstash.graph_step", RuntimeWarning)
+        for i in range(steps):
+            xs = [torch.randn(T, 16, generator=gen) for _ in range(world)]
+            projs = [torch.randn(T, 16, generator=gen) for _ in range(world)]
+            with torch.no_grad():
+                for m in (model, ref):
+                    for block in m.blocks:
+                        block.routing_bias.zero_()
+                        block.routing_bias[:E // world] = 0.08 * i
+            train_step(xs[rank], projs[rank])
+            ref_opt.zero_grad()
+            (ref(torch.cat(xs)).float() * torch.cat(projs)).sum().backward()
+            ref_opt.step()
+    stats = train_step.stats
+    assert stats.steps == steps, stats
+    El = E // world
+    for i, (p, q) in enumerate(zip(experts, ref_experts)):
+        assert q.grad.abs().max() > 1e-4, f"reference gradient {i} is ~0"
+        assert_trained_close(p, q[rank * El:(rank + 1) * El], f"rank {rank} expert weight {i}")
+    return {"reruns": stats.eager_reruns, "ahead": stats.stash_grown_ahead}
+
+
+@pytest.mark.parametrize("grow_ahead", [0.97, 2.0], ids=["ahead", "never-ahead"])
+def test_rows_that_creep_up_grow_the_stash_before_it_overflows(grow_ahead):
+    """NOTE [stash growth ahead]: the stash grows once a step fills 0.97 of what a group keeps,
+    so rows that creep up step by step never overflow it; without growing ahead the same steps
+    overflow and rerun. Both train as the dropless model does."""
+    reports = [eval(text) for text in run_ranks(_gradual_ranks, 2, grow_ahead)]
+    for report in reports:
+        if grow_ahead < 1:
+            assert report["reruns"] == 0 and report["ahead"] >= 1, reports
+        else:
+            assert report["reruns"] >= 1 and report["ahead"] == 0, reports

@@ -66,6 +66,8 @@ class GraphStepStats:
     (NOTE [checkpoint and resume]). Without CUDA it counts the same calls (each would recapture).
     ``budget_changes`` counts the calls that found an adaptive dispatch budget changed (NOTE
     [budgets the step adapts]): each ran one eager step at the new sizes and recaptured.
+    ``stash_grown_ahead`` counts the calls that grew the stash before a step overflowed it
+    (NOTE [stash growth ahead]), each recapturing.
     """
 
     mode: str = "graph"
@@ -86,6 +88,7 @@ class GraphStepStats:
     memory_before_capture: int | None = None
     invalidations: int = 0
     budget_changes: int = 0
+    stash_grown_ahead: int = 0
 
     def as_dict(self) -> dict:
         """The counters as a plain ``dict`` (for logging or JSON)."""
@@ -671,6 +674,12 @@ class GraphStep:
     # recaptures. ``on_overflow`` runs after the growth; returning False vetoes it
     # (the budgets are restored), and it may set budgets itself.
     def _check_budgets(self) -> None:
+        if self._manager is not None and self._manager.take_grow_ahead():
+            # NOTE [stash growth ahead]
+            if self.graphed:
+                self._drop_graphs()
+            self._manager.grow(self._budget_growth)
+            self._stats.stash_grown_ahead += 1
         changed = False
         for key, (version, first) in self.step_status.owner_versions().items():
             changed |= version != self._versions_baked.get(key, first)
@@ -976,6 +985,19 @@ class GraphStep:
             return False
         self._manager.grow(self._budget_growth)
         return True
+
+    # NOTE [stash growth ahead]: under a live-row exchange a stashed group's experts compute on
+    # the rows its pages hold, ``device_factor`` x the rows of the step the plan measured (NOTE
+    # [rows the stash keeps] in graphstash/stash/plan.py), and a step whose routing asks for
+    # more overflows and is rerun dropless: an eager step beside the captured one, whose
+    # memory set the stash row's peak under skewed routing (docs/exchange.md, "Rows the stash
+    # keeps"). While a router trains, the rows a rank's experts get move from step to step.
+    # So each such group raises its fill (the rows asked for over the rows kept, in
+    # thousandths) as a step peak (NOTE [step peaks]: reduced with the flags, the read the step
+    # makes anyway); a step that was not rerun and filled ``GROW_AHEAD`` (0.97) of some group's
+    # rows on some rank grows the stash by ``budget_growth`` at the next call, on every rank,
+    # before any step overflows it, and recaptures (``stats.stash_grown_ahead``). A routing
+    # that jumps past the rows kept in one step still overflows and is rerun, as before.
 
     # ---- capture ------------------------------------------------------------------------
     def _check_capturable(self) -> None:

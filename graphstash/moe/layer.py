@@ -111,6 +111,8 @@ def moe_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
     permuted, counts, handle = dispatch(x, topk_idx, topk_weight, num_experts, budget=budget,
                                         pad_multiple=pad_multiple, exchange=exchange,
                                         status=status, keep_rows=keep)
+    if keep is not None:            # NOTE [stash growth ahead] in graphstash/graph/_step.py
+        manager.raise_fill(handle.plan.demand_rows, keep)
 
     def experts() -> torch.Tensor:
         # NOTE [moe layer]: the router weights scale the activation, unless a norm follows

@@ -19,13 +19,14 @@ from .. import _layout as L
 from .._checks import describe, forbid_capture, is_capturing, normalize_device
 from .._saved import ThreadStack, thread_stack
 from ..errors import OverBudgetError, SavedTensorsError, StashOverflowError
-from ..status import StepStatus
+from ..status import StepStatus, claim_peak_slot, raise_peak
 from .buffers import StashBuffers
 from .config import StashConfig
 from .scheduler import GroupScheduler
 from .trace import StashTrace
 
 EAGER_OVERFLOW = ("raise", "warn")
+GROW_AHEAD = 0.97   # NOTE [stash growth ahead] in graphstash/graph/_step.py: the fill that grows it
 
 _defaults = ThreadStack()      # .stack: the `with manager:` blocks of this thread
 
@@ -98,6 +99,7 @@ class StashManager:
         self.status = owner.tensor
         self._status_contexts: list = []      # `with manager:` blocks (NOTE [current step])
         self._buffers = StashBuffers(config, dev, owner.tensor)
+        self._fill = _Fill()                  # NOTE [stash growth ahead]
         self.scheduler = GroupScheduler(self._buffers)
         """The layer groups' pack and unpack hooks, streams and copies (``scheduler.py``):
         what ``stash_activations`` drives; a training loop has no need to call it."""
@@ -160,6 +162,25 @@ class StashManager:
         remeasuring. Host only, no sync; ``moe_layer`` passes it to an expert-parallel
         dispatch as ``keep_rows``."""
         return self.scheduler.next_group_rows()
+
+    def raise_fill(self, demand_rows: torch.Tensor, rows: int) -> None:
+        """Raise the step's stash fill (NOTE [stash growth ahead] in
+        ``graphstash/graph/_step.py``): ``demand_rows`` (integer ``[1]`` on the manager's
+        device) rows a group's routing asked for, of the ``rows`` its experts compute on
+        (:meth:`next_group_rows`), as a step peak in thousandths; the most over the step's
+        groups and the ranks reaches the manager after the step. Capturable: no host read."""
+        fill = self._fill
+        if fill.slot is None:
+            fill.slot = claim_peak_slot(fill, "fill")
+        value = (demand_rows.reshape(1).to(torch.int64) * 1000 + rows - 1) // rows
+        raise_peak(self.step_status.peaks, fill.slot, value)
+
+    def take_grow_ahead(self) -> bool:
+        """Whether a step that was not rerun filled :data:`GROW_AHEAD` or more of the rows some
+        group keeps (:meth:`raise_fill`), so the stash should grow before a step overflows it
+        (NOTE [stash growth ahead]); asking clears it."""
+        asked, self._fill.grow_ahead = self._fill.grow_ahead, False
+        return asked
 
     def plan_table(self, fmt: str = "text") -> str:
         """:meth:`plan` as a table (bytes in MiB) in ``fmt``: ``"text"`` or ``"md"``."""
@@ -354,6 +375,28 @@ class StashManager:
     def __repr__(self) -> str:
         return (f"StashManager(device={self.device}, page_size={self.config.page_size}, "
                 f"{self._buffers.describe()})")
+
+
+class _Fill:
+    """A manager's step peak ``"fill"`` (a :class:`graphstash.status.PeakOwner`): told after
+    every step the most its groups filled and whether the step was rerun (NOTE [stash growth
+    ahead] in ``graphstash/graph/_step.py``)."""
+
+    def __init__(self):
+        self.version = 0            # nothing a graph bakes in changes here
+        self.slot: int | None = None
+        self.grow_ahead = False
+
+    def observe(self, peaks: dict, *, flagged: bool) -> None:
+        fill = peaks.get("fill")
+        if fill is not None and not flagged and fill >= GROW_AHEAD * 1000:
+            self.grow_ahead = True
+
+    def state_dict(self) -> dict:
+        return {"grow_ahead": self.grow_ahead}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.grow_ahead = bool(state["grow_ahead"])
 
 
 def current_default() -> StashManager | None:
