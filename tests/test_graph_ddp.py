@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _ranks import end_process
+
 WORLD, STEPS, WIDTH = 2, 14, 8
 
 
@@ -101,6 +103,7 @@ def _worker(rank, out_dir):
         with open(path + ".err", "w") as f:
             f.write(traceback.format_exc())
         raise
+    end_process()            # NOTE [ending a rank's process] in tests/_ranks.py
 
 
 def _spawn(out_dir):

@@ -24,6 +24,7 @@ import graphstash.integrations.transformers as gst         # noqa: E402
 from graphstash import BackendUnavailableError             # noqa: E402
 
 from _hf_models import VOCAB, batch, seed_of, tiny_model, twin   # noqa: E402
+from _ranks import end_process                              # noqa: E402
 
 MODELS = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3"]
 EXTRA_MODELS = ("qwen2_moe", "deepseek_v3")      # beyond the three of the issue: slow only
@@ -425,6 +426,7 @@ def _ep_worker(rank, world, store, backend, seed):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    end_process()            # NOTE [ending a rank's process] in tests/_ranks.py
 
 
 def _ep_case(rank, world, device, seed):

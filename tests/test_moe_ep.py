@@ -28,6 +28,7 @@ from graphstash.moe import NcclChunks, budget_rows, combine, dispatch, grouped_m
 from _faults import exchange_fault
 from _grad_checks import assert_far_from_zero, assert_grads_close, projected_loss, projection
 from _moe_data import routing, tokens
+from _ranks import end_process
 from _world import CPU_WORLD, WORLD_SIZE, require_gpus
 
 T, H, E, K = 48, 16, 8, 2                   # E divides over 2, 4 and 8 ranks
@@ -250,6 +251,7 @@ def _worker(rank, world, backend, results_dir):
         # Not torn down: destroying an NCCL group while the peers wait in a collective can
         # wait for them forever. The process ends now; mp.spawn then ends the others.
         os._exit(1)
+    end_process()            # NOTE [ending a rank's process] in tests/_ranks.py
 
 
 def _run_cases(rank, world, backend, results_dir):
