@@ -214,6 +214,16 @@ def graph_step_case(transport, E: int, T: int, steps: int, device, *, stash: boo
             "captures": stats.captures}
 
 
+def train_experts_only(model) -> list:
+    """Freeze every parameter of ``model`` but the experts' (``w1``, ``w2``); returns those."""
+    experts = []
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith(("w1", "w2")))
+        if p.requires_grad:
+            experts.append(p)
+    return experts
+
+
 def moe_model_case(transport, T: int, E: int, device, *, stash_steps: int = 6) -> dict:
     """``MoEModel`` with the live-row exchange (gated experts, two layers, experts padded to
     4): in budget mode, eager, its output and every gradient equal the one-device model's
@@ -258,12 +268,7 @@ def moe_model_case(transport, T: int, E: int, device, *, stash_steps: int = 6) -
     # stash mode inside graph_step, experts trained
     model = MoEModel(config, mode="stash", group=group, exchange=transport, seed=5, device=device)
     ref = MoEModel(config, mode="dropless", seed=5, device=device)
-    experts, ref_experts = [], []
-    for m, keep in ((model, experts), (ref, ref_experts)):
-        for name, p in m.named_parameters():
-            p.requires_grad_(name.endswith(("w1", "w2")))
-            if p.requires_grad:
-                keep.append(p)
+    experts, ref_experts = train_experts_only(model), train_experts_only(ref)
     opt = torch.optim.AdamW(experts, lr=1e-2, capturable=device.type == "cuda")
     ref_opt = torch.optim.AdamW(ref_experts, lr=1e-2)
     stash = StashConfig(policy="always", min_tensor_bytes=0, page_size=16)

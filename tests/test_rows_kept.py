@@ -96,41 +96,29 @@ def test_keep_rows_equals_the_whole_budget_while_the_rows_fit_and_flags_when_not
     run_ranks(_keep_rows_ranks, 2)
 
 
-def _model_ranks(rank: int, world: int) -> dict:
-    """README's ``MoEModel(config, group=g)`` in stash mode under graph_step, routing that
-    drifts between the ranks' experts (so some steps fill more rows than the first step
-    measured), against the dropless model trained on every rank's tokens."""
+def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int, seed: int,
+                            steps: int, route) -> dict:
+    """README's ``MoEModel(config, group=g)`` in stash mode (every group stashed) under
+    graph_step, its experts trained on this rank's tokens, against the dropless model trained
+    on every rank's; ``route(i, model, ref)`` sets both routings before step ``i``. Checks the
+    experts end equal and returns the step's stats."""
     import torch.distributed as dist
 
     import graphstash
     from graphstash.models import MoEConfig, MoEModel
-    from graphstash.moe.exchange import ExchangePlan
     from graphstash.stash import StashConfig
 
-    from _exchange_cases import assert_trained_close
+    from _exchange_cases import assert_trained_close, train_experts_only
 
-    T, E = 32, 4
-    config = MoEConfig(hidden=16, ffn=16, num_experts=E, topk=2, layers=3, num_tokens=T,
+    E = 4
+    config = MoEConfig(hidden=16, ffn=16, num_experts=E, topk=2, layers=3, num_tokens=tokens,
                        capacity_factor=float(world), pad_multiple=4, gated=True,
-                       routing="drift:0.7:2")
+                       routing=routing)
     model = MoEModel(config, mode="stash", group=dist.group.WORLD, seed=5)
     ref = MoEModel(config, mode="dropless", seed=5)
-    experts, ref_experts = [], []
-    for m, keep in ((model, experts), (ref, ref_experts)):
-        for name, p in m.named_parameters():
-            p.requires_grad_(name.endswith(("w1", "w2")))
-            if p.requires_grad:
-                keep.append(p)
+    experts, ref_experts = train_experts_only(model), train_experts_only(ref)
     opt = torch.optim.AdamW(experts, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref_experts, lr=1e-2)
-    kept_rows = []
-    real_keep = ExchangePlan.keep_rows
-
-    def spy(plan, rows):
-        kept_rows.append((rows, plan.budget_rows))
-        return real_keep(plan, rows)
-
-    ExchangePlan.keep_rows = spy
 
     @graphstash.graph_step(optimizer=opt, stash=StashConfig(policy="always", page_size=4,
                                                              min_tensor_bytes=0))
@@ -139,33 +127,57 @@ def _model_ranks(rank: int, world: int) -> dict:
         loss.backward()
         return loss.detach()
 
-    gen = torch.Generator().manual_seed(11)
-    steps = 8
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "graphstash.graph_step", RuntimeWarning)
-            for i in range(steps):
-                xs = [torch.randn(T, 16, generator=gen) for _ in range(world)]
-                projs = [torch.randn(T, 16, generator=gen) for _ in range(world)]
-                model.set_routing_step(i)
-                for a, b in zip(model.blocks, ref.blocks):
-                    b.routing_bias.copy_(a.routing_bias)
-                train_step(xs[rank], projs[rank])
-                ref_opt.zero_grad()
-                (ref(torch.cat(xs)).float() * torch.cat(projs)).sum().backward()
-                ref_opt.step()
-    finally:
-        ExchangePlan.keep_rows = real_keep
+    gen = torch.Generator().manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "graphstash.graph_step", RuntimeWarning)
+        for i in range(steps):
+            xs = [torch.randn(tokens, 16, generator=gen) for _ in range(world)]
+            projs = [torch.randn(tokens, 16, generator=gen) for _ in range(world)]
+            with torch.no_grad():
+                route(i, model, ref)
+            train_step(xs[rank], projs[rank])
+            ref_opt.zero_grad()
+            (ref(torch.cat(xs)).float() * torch.cat(projs)).sum().backward()
+            ref_opt.step()
     stats = train_step.stats
     assert stats.steps == steps, stats
     El = E // world
     for i, (p, q) in enumerate(zip(experts, ref_experts)):
         assert q.grad.abs().max() > 1e-4, f"reference gradient {i} is ~0"
         assert_trained_close(p, q[rank * El:(rank + 1) * El], f"rank {rank} expert weight {i}")
+    return stats
+
+
+def _drift(i: int, model, ref) -> None:
+    model.set_routing_step(i)
+    for a, b in zip(model.blocks, ref.blocks):
+        b.routing_bias.copy_(a.routing_bias)
+
+
+def _model_ranks(rank: int, world: int) -> dict:
+    """Routing that drifts between the ranks' experts, so some steps fill more rows than the
+    first step measured; every dispatch's kept rows recorded."""
+    import torch.distributed as dist
+
+    from graphstash.moe.exchange import ExchangePlan
+
+    kept_rows = []
+    real_keep = ExchangePlan.keep_rows
+
+    def spy(plan, rows):
+        kept_rows.append((rows, plan.budget_rows))
+        return real_keep(plan, rows)
+
+    ExchangePlan.keep_rows = spy
+    try:
+        stats = _train_against_dropless(rank, world, routing="drift:0.7:2", tokens=32, seed=11,
+                                        steps=8, route=_drift)
+    finally:
+        ExchangePlan.keep_rows = real_keep
     assert kept_rows and all(rows < budget for rows, budget in kept_rows), kept_rows
     overflowed = torch.tensor([stats.eager_reruns])
     dist.all_reduce(overflowed, op=dist.ReduceOp.MIN)
-    return {"kept": len(kept_rows), "reruns": stats.eager_reruns, "ahead": stats.stash_grown_ahead,
+    return {"kept": len(kept_rows), "reruns": stats.eager_reruns,
             "every_rank_reran": int(overflowed)}
 
 
@@ -180,65 +192,23 @@ def test_moe_model_stash_computes_on_the_kept_rows_and_trains_as_dropless():
         assert report["every_rank_reran"] >= 1, report
 
 
+def _creep(i: int, model, ref) -> None:
+    """Rank 0's experts (the first two of four) gain 0.08 of router bias a step, as a
+    training router's preference moves."""
+    for m in (model, ref):
+        for block in m.blocks:
+            block.routing_bias.zero_()
+            block.routing_bias[:2] = 0.08 * i
+
+
 def _gradual_ranks(rank: int, world: int, grow_ahead: float) -> dict:
-    """README's ``MoEModel(config, group=g)`` in stash mode under graph_step while rank 0's
-    experts gain rows step by step (their router bias rises by 0.08 a step, as a training
-    router's preference moves), against the dropless model trained on every rank's tokens;
-    ``grow_ahead`` is the fill that grows the stash (above 1: never ahead)."""
-    import torch.distributed as dist
-
-    import graphstash
+    """Rows that creep up step by step; ``grow_ahead`` is the fill that grows the stash
+    (above 1: never ahead)."""
     import graphstash.stash.manager as stash_manager
-    from graphstash.models import MoEConfig, MoEModel
-    from graphstash.stash import StashConfig
-
-    from _exchange_cases import assert_trained_close
 
     stash_manager.GROW_AHEAD = grow_ahead
-    T, E = 256, 4
-    config = MoEConfig(hidden=16, ffn=16, num_experts=E, topk=2, layers=3, num_tokens=T,
-                       capacity_factor=float(world), pad_multiple=4, gated=True,
-                       routing="skew:0.0")
-    model = MoEModel(config, mode="stash", group=dist.group.WORLD, seed=5)
-    ref = MoEModel(config, mode="dropless", seed=5)
-    experts, ref_experts = [], []
-    for m, keep in ((model, experts), (ref, ref_experts)):
-        for name, p in m.named_parameters():
-            p.requires_grad_(name.endswith(("w1", "w2")))
-            if p.requires_grad:
-                keep.append(p)
-    opt = torch.optim.AdamW(experts, lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref_experts, lr=1e-2)
-
-    @graphstash.graph_step(optimizer=opt, stash=StashConfig(policy="always", page_size=4,
-                                                             min_tensor_bytes=0))
-    def train_step(x, proj):
-        loss = (model(x).float() * proj).sum()
-        loss.backward()
-        return loss.detach()
-
-    gen = torch.Generator().manual_seed(12)
-    steps = 10
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "graphstash.graph_step", RuntimeWarning)
-        for i in range(steps):
-            xs = [torch.randn(T, 16, generator=gen) for _ in range(world)]
-            projs = [torch.randn(T, 16, generator=gen) for _ in range(world)]
-            with torch.no_grad():
-                for m in (model, ref):
-                    for block in m.blocks:
-                        block.routing_bias.zero_()
-                        block.routing_bias[:E // world] = 0.08 * i
-            train_step(xs[rank], projs[rank])
-            ref_opt.zero_grad()
-            (ref(torch.cat(xs)).float() * torch.cat(projs)).sum().backward()
-            ref_opt.step()
-    stats = train_step.stats
-    assert stats.steps == steps, stats
-    El = E // world
-    for i, (p, q) in enumerate(zip(experts, ref_experts)):
-        assert q.grad.abs().max() > 1e-4, f"reference gradient {i} is ~0"
-        assert_trained_close(p, q[rank * El:(rank + 1) * El], f"rank {rank} expert weight {i}")
+    stats = _train_against_dropless(rank, world, routing="skew:0.0", tokens=256, seed=12,
+                                    steps=10, route=_creep)
     return {"reruns": stats.eager_reruns, "ahead": stats.stash_grown_ahead}
 
 
