@@ -175,6 +175,8 @@ def _model_ranks(rank: int, world: int) -> dict:
     finally:
         ExchangePlan.keep_rows = real_keep
     assert kept_rows and all(rows < budget for rows, budget in kept_rows), kept_rows
+    # the budget holds any routing: every rerun was an overflow of the rows kept, and grew it
+    assert stats.stash_growths == stats.eager_reruns, stats
     overflowed = torch.tensor([stats.eager_reruns])
     dist.all_reduce(overflowed, op=dist.ReduceOp.MIN)
     return {"kept": len(kept_rows), "reruns": stats.eager_reruns,
@@ -209,6 +211,7 @@ def _gradual_ranks(rank: int, world: int, grow_ahead: float) -> dict:
     stash_manager.GROW_AHEAD = grow_ahead
     stats = _train_against_dropless(rank, world, routing="skew:0.0", tokens=256, seed=12,
                                     steps=10, route=_creep)
+    assert stats.stash_growths == stats.eager_reruns, stats
     return {"reruns": stats.eager_reruns, "ahead": stats.stash_grown_ahead}
 
 

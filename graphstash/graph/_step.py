@@ -66,8 +66,9 @@ class GraphStepStats:
     (NOTE [checkpoint and resume]). Without CUDA it counts the same calls (each would recapture).
     ``budget_changes`` counts the calls that found an adaptive dispatch budget changed (NOTE
     [budgets the step adapts]): each ran one eager step at the new sizes and recaptured.
-    ``stash_grown_ahead`` counts the calls that grew the stash before a step overflowed it
-    (NOTE [stash growth ahead]), each recapturing.
+    ``stash_growths`` counts the reruns that grew the stash (an overflow or a host spill, NOTE
+    [stash growth]), ``stash_grown_ahead`` the calls that grew it before a step overflowed it
+    (NOTE [stash growth ahead]); each drops the graphs, and the next call recaptures.
     """
 
     mode: str = "graph"
@@ -88,6 +89,7 @@ class GraphStepStats:
     memory_before_capture: int | None = None
     invalidations: int = 0
     budget_changes: int = 0
+    stash_growths: int = 0
     stash_grown_ahead: int = 0
 
     def as_dict(self) -> dict:
@@ -984,6 +986,7 @@ class GraphStep:
         if self._manager is None or not overflowed:
             return False
         self._manager.grow(self._budget_growth)
+        self._stats.stash_growths += 1
         return True
 
     # NOTE [stash growth ahead]: under a live-row exchange a stashed group's experts compute on

@@ -146,3 +146,15 @@ def stash_config(device: torch.device, prefetch: str = DEFAULT_PREFETCH):
     sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 2
     return graphstash.StashConfig(host_tier=False, copy_blocks=max(1, sms // 2),
                                   device_factor=1.05, prefetch=prefetch)
+
+
+def recaptures(stats, device: torch.device) -> int:
+    """The calls of a ``graph_step`` row that captured its graph again (``stats``: its
+    :class:`~graphstash.GraphStepStats`, None for an eager row): on a GPU every capture after
+    the first; on the CPU, where nothing is captured, the calls that dropped the graphs for new
+    sizes (a dispatch budget changed, the stash grew after an overflow or ahead of one)."""
+    if stats is None:
+        return 0
+    if torch.device(device).type == "cuda":
+        return max(0, stats.captures - 1)
+    return stats.budget_changes + stats.stash_growths + stats.stash_grown_ahead
