@@ -419,6 +419,7 @@ def _ep_worker(rank, world, store, backend, seed):
         _ep_case(rank, world, device, seed)
         if not on_gpu:
             _ep_adaptive_case(rank, world, seed)
+            _ep_stash_case(rank, world, seed)
         if on_gpu:
             from test_hf_transformers_gpu import ep_capture_case
 
@@ -477,6 +478,50 @@ def _ep_adaptive_case(rank, world, seed):
     (adaptive, budgets), (roomy, _) = steps
     assert adaptive.stats.eager_reruns == 1 and roomy.stats.eager_reruns == 0, adaptive.stats
     assert all(s["capacity_factor"] > 0.5 for s in budgets.stats()), budgets.table()
+    for a, b in zip(*losses):
+        assert abs(a - b) <= 1e-5 * abs(b), losses
+
+
+def _ep_stash_case(rank, world, seed):
+    """README's ``configure(model, group=g)`` with ``graph_step(stash=...)``: every group
+    stashed, so the experts compute on the rows their pages hold (NOTE [rows the stash keeps]),
+    fewer than the budget; the losses equal those of the same model without the stash."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from graphstash.moe.exchange import ExchangePlan
+
+    ref = tiny_model("qwen3_moe", seed, device=torch.device("cpu"))
+    kept, real_keep = [], ExchangePlan.keep_rows
+
+    def spy(plan, rows):
+        kept.append((rows, plan.budget_rows))
+        return real_keep(plan, rows)
+
+    losses = []
+    ExchangePlan.keep_rows = spy
+    try:
+        for stash in (None, graphstash.StashConfig(policy="always", min_tensor_bytes=0,
+                                                   page_size=4, device_factor=1.5)):
+            model = twin(ref, gst.IMPLEMENTATION)
+            gst.configure(model, capacity_factor=float(world), group=dist.group.WORLD)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+            def body(ids, model=model):
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                return loss.detach()
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)     # no CUDA: eager steps
+                step = graphstash.graph_step(body, optimizer=opt, stash=stash)
+                gen = torch.Generator().manual_seed(seed + 11 + rank)
+                losses.append([float(step(batch(gen))) for _ in range(4)])
+    finally:
+        ExchangePlan.keep_rows = real_keep
+    assert kept and all(rows < budget for rows, budget in kept), kept
+    assert step.stats.eager_reruns == 0, step.stats
     for a, b in zip(*losses):
         assert abs(a - b) <= 1e-5 * abs(b), losses
 
