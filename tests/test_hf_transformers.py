@@ -449,81 +449,71 @@ def _ep_case(rank, world, device, seed):
     assert exchange.transport is not None and exchange.transport.device == device, exchange.kind
 
 
-def _ep_adaptive_case(rank, world, seed):
-    """Under expert parallelism each experts module's budget adapts (NOTE [adaptive budgets]):
-    from capacity factor 0.5 the first step goes over budget and reruns, the budgets grow, and
-    the steps after fit; the losses equal a model whose budget holds any routing."""
+def _train_ep(ref, rank, world, *, factor, seed, steps, stash=None):
+    """A twin of ``ref`` configured as README shows (``configure(model, group=g)`` at capacity
+    factor ``factor``), trained ``steps`` SGD steps under graph_step (``stash=`` given to it)
+    on this rank's batches from ``seed``; ``(step, model, losses)``."""
     import warnings
 
     import torch.distributed as dist
 
+    model = twin(ref, gst.IMPLEMENTATION)
+    gst.configure(model, capacity_factor=factor, group=dist.group.WORLD)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def body(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)     # no CUDA: eager steps
+        step = graphstash.graph_step(body, optimizer=opt, stash=stash)
+        gen = torch.Generator().manual_seed(seed + rank)
+        losses = [float(step(batch(gen))) for _ in range(steps)]
+    return step, model, losses
+
+
+def _ep_adaptive_case(rank, world, seed):
+    """Under expert parallelism each experts module's budget adapts (NOTE [adaptive budgets]):
+    from capacity factor 0.5 the first step goes over budget and reruns, the budgets grow, and
+    the steps after fit; the losses equal a model whose budget holds any routing."""
     ref = tiny_model("qwen3_moe", seed, device=torch.device("cpu"))
-    losses, steps = [], []
-    for factor in (0.5, float(world)):
-        model = twin(ref, gst.IMPLEMENTATION)
-        gst.configure(model, capacity_factor=factor, group=dist.group.WORLD)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-        def body(ids, model=model):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            return loss.detach()
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)     # no CUDA: eager steps
-            step = graphstash.graph_step(body, optimizer=opt)
-            gen = torch.Generator().manual_seed(seed + 7 + rank)
-            losses.append([float(step(batch(gen))) for _ in range(5)])
-        steps.append((step, gst.dispatch_budgets(model)))
-    (adaptive, budgets), (roomy, _) = steps
+    adaptive, model, tight = _train_ep(ref, rank, world, factor=0.5, seed=seed + 7, steps=5)
+    roomy, _, losses = _train_ep(ref, rank, world, factor=float(world), seed=seed + 7, steps=5)
+    budgets = gst.dispatch_budgets(model)
     assert adaptive.stats.eager_reruns == 1 and roomy.stats.eager_reruns == 0, adaptive.stats
     assert all(s["capacity_factor"] > 0.5 for s in budgets.stats()), budgets.table()
-    for a, b in zip(*losses):
-        assert abs(a - b) <= 1e-5 * abs(b), losses
+    for a, b in zip(tight, losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (tight, losses)
 
 
 def _ep_stash_case(rank, world, seed):
     """README's ``configure(model, group=g)`` with ``graph_step(stash=...)``: every group
     stashed, so the experts compute on the rows their pages hold (NOTE [rows the stash keeps]),
     fewer than the budget; the losses equal those of the same model without the stash."""
-    import warnings
-
-    import torch.distributed as dist
-
     from graphstash.moe.exchange import ExchangePlan
 
     ref = tiny_model("qwen3_moe", seed, device=torch.device("cpu"))
+    _, _, plain = _train_ep(ref, rank, world, factor=float(world), seed=seed + 11, steps=4)
     kept, real_keep = [], ExchangePlan.keep_rows
 
     def spy(plan, rows):
         kept.append((rows, plan.budget_rows))
         return real_keep(plan, rows)
 
-    losses = []
     ExchangePlan.keep_rows = spy
     try:
-        for stash in (None, graphstash.StashConfig(policy="always", min_tensor_bytes=0,
-                                                   page_size=4, device_factor=1.5)):
-            model = twin(ref, gst.IMPLEMENTATION)
-            gst.configure(model, capacity_factor=float(world), group=dist.group.WORLD)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-            def body(ids, model=model):
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                return loss.detach()
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)     # no CUDA: eager steps
-                step = graphstash.graph_step(body, optimizer=opt, stash=stash)
-                gen = torch.Generator().manual_seed(seed + 11 + rank)
-                losses.append([float(step(batch(gen))) for _ in range(4)])
+        stash = graphstash.StashConfig(policy="always", min_tensor_bytes=0, page_size=4,
+                                       device_factor=1.5)
+        step, _, stashed = _train_ep(ref, rank, world, factor=float(world), seed=seed + 11,
+                                     steps=4, stash=stash)
     finally:
         ExchangePlan.keep_rows = real_keep
     assert kept and all(rows < budget for rows, budget in kept), kept
     assert step.stats.eager_reruns == 0, step.stats
-    for a, b in zip(*losses):
-        assert abs(a - b) <= 1e-5 * abs(b), losses
+    for a, b in zip(stashed, plain):
+        assert abs(a - b) <= 1e-5 * abs(b), (stashed, plain)
 
 
 def _ep_compare(ours, ref, names, rank, world, device, seed):
