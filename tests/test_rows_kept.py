@@ -3,7 +3,8 @@ keeps] in graphstash/stash/plan.py), over two gloo ranks: ``dispatch(keep_rows=)
 same outputs and gradients as the whole budget while the live rows fit and raises the pool's
 overflow flag when they do not; ``MoEModel(config, group=g)`` in stash mode under
 ``graph_step`` computes its stashed groups on those rows and trains as a dropless model does,
-through steps whose routing overflows them."""
+through steps whose routing overflows them; rows that creep up grow the stash before they
+overflow it (NOTE [stash growth ahead] in graphstash/graph/_step.py)."""
 from __future__ import annotations
 
 import warnings
@@ -14,7 +15,6 @@ import torch
 from graphstash import _layout as L
 
 from _ranks import run_ranks
-
 
 
 def test_keep_rows_is_refused_by_name():
