@@ -120,6 +120,65 @@ def test_fifty_steps_match_eager_with_forced_overflow(name):
         assert int(opt.state[next(model.parameters())]["step"]) == 50   # every update once
 
 
+def test_grad_after_every_call_is_that_steps_gradient():
+    """NOTE [gradients]: after every call (a replay, or the rerun of a flagged replay) p.grad
+    is that step's gradient, as an eager loop's p.grad after its backward, and a rerun writes
+    it into the graph's own tensors. The graph stays after these reruns (no stash, no budget
+    to grow), and the replay after a rerun used to leave p.grad at the rerun's gradient."""
+    torch.manual_seed(0)
+    model = FlaggingMLP(dropout=0.0).cuda()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTIMIZERS["adamw_fused"](model.parameters()), OPTIMIZERS["adamw_fused"](ref.parameters())
+    data = _batches(8, {3, 5})
+
+    @graph_step(optimizer=opt, warmup=1)
+    def train_step(x, y, marker):
+        loss = torch.nn.functional.mse_loss(model(x, marker), y)
+        loss.backward()
+        return loss
+
+    captured = None
+    for i, (x, y, marker) in enumerate(data):
+        train_step(x, y, marker)
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert q.grad.abs().max() > 1e-4, f"step {i}: reference gradient of {name} is ~0"
+            _close(p.grad, q.grad, f"step {i}: gradient of {name}")
+        ref_opt.step()
+        if i == 1:                                  # the call that captured
+            captured = [p.grad.data_ptr() for p in model.parameters()]
+    assert [p.grad.data_ptr() for p in model.parameters()] == captured
+    st = train_step.stats
+    assert (st.captures, st.replays, st.eager_reruns) == (1, 7, 2), st
+
+
+def test_grad_after_replays_of_two_graphs_is_each_steps_gradient():
+    """NOTE [gradients]: with a graph per shape, each capture writes its own gradient tensors;
+    after every replay p.grad is the replayed graph's, not the other's."""
+    torch.manual_seed(0)
+    model = FlaggingMLP(dropout=0.0).cuda()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = OPTIMIZERS["sgd_fused"](model.parameters()), OPTIMIZERS["sgd_fused"](ref.parameters())
+    data = _batches(4, batch=32, seed=1) + _batches(4, batch=48, seed=2)
+    order = [data[0], data[4], data[1], data[5], data[2], data[6], data[3], data[7]]
+
+    @graph_step(optimizer=opt, warmup=1, on_new_shape="recapture")
+    def train_step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    for i, (x, y, _) in enumerate(order):
+        train_step(x, y)
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            _close(p.grad, q.grad, f"call {i} ({x.shape[0]} rows): gradient of {name}")
+        ref_opt.step()
+    assert train_step.stats.captures == 2, train_step.stats
+
+
 def test_over_budget_flag_and_on_overflow_recapture():
     torch.manual_seed(0)
     model = FlaggingMLP().cuda()

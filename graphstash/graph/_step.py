@@ -145,7 +145,7 @@ class _Graph:
     graph: object
     inputs: S.StaticInputs
     outputs: object                 # what the captured call returned (static tensors)
-    grads: list                     # gradient tensors the graph writes (its pool)
+    grads: list                     # (parameter, gradient it writes) pairs (its pool)
     nbytes: int                     # pool growth during capture + static inputs
     described: str                  # the captured call's arguments, for GraphInfo
 
@@ -154,10 +154,17 @@ class _Graph:
 # Right before a capture the gradients are set to None, so the first backward inside the graph
 # *writes* them (in the graph's pool) and later microbatches accumulate: every replay starts
 # from zero gradients exactly as ``optimizer.zero_grad()`` would, with no memset. Eager steps
-# (warmup, reruns) call ``zero_grad(set_to_none=True)`` first, which is what an eager loop does;
-# after a rerun ``p.grad`` holds the rerun's gradients while the graph keeps (and keeps alive)
-# its own. A step function therefore must not call ``optimizer.step()`` itself (it is refused:
-# NOTE [step ownership]); calling ``zero_grad()`` is harmless.
+# (warmup, reruns) call ``zero_grad(set_to_none=True)`` first, which is what an eager loop does.
+# A rerun of a replayed step writes its gradients into the graph's own tensors (a hook after
+# each parameter's gradient is accumulated copies it there and points ``p.grad`` at it), so it
+# holds no second set of gradients beside the graph's (4.5 GiB a rank at qwen3-30b-a3b widths
+# over two GPUs, 8 layers; docs/exchange.md, "Rows the stash keeps"); a parameter that got no
+# gradient keeps ``p.grad`` None, as eagerly. Without DDP: its reducer owns its gradients'
+# layout. After every replay ``p.grad`` is the replayed graph's gradient (set again only when
+# another graph, a rerun or ``zero_grad`` pointed it elsewhere): with two graphs, or a graph
+# kept after a rerun, it would otherwise still show an older step's gradient. A step function
+# therefore must not call ``optimizer.step()`` itself (it is refused: NOTE [step ownership]);
+# calling ``zero_grad()`` is harmless.
 
 # NOTE [step ownership]
 # The decorator applies the update itself (``optimizer.step()``, or ``scaler.step``/``update``):
@@ -278,6 +285,7 @@ class GraphStep:
         self._stale: str | None = None
         self._eager_pending = 0
         self._graphs: dict[tuple, _Graph] = {}   # insertion order = least recently used first
+        self._grads_of: _Graph | None = None     # whose gradients p.grad holds (NOTE [gradients])
         self._cpu_inputs: dict[tuple, S.StaticInputs] = {}   # NOTE [same contract on the CPU]
         self._first_signature = None
         self._eager_done = 0
@@ -921,6 +929,29 @@ class GraphStep:
     def _zero_grad(self) -> None:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
+        self._grads_of = None
+
+    def _bind_grads(self, entry: _Graph) -> None:
+        """Point every ``p.grad`` at the gradient ``entry``'s graph writes (NOTE [gradients])."""
+        if self._grads_of is entry:
+            return
+        for p, g in entry.grads:
+            p.grad = g
+        self._grads_of = entry
+
+    def _grads_into(self, entry: _Graph) -> list:
+        """Hooks that move each gradient an eager pass accumulates into ``entry``'s own tensor
+        (NOTE [gradients]); the caller removes them."""
+        if self._ddp:
+            return []
+
+        def into(param, g):
+            if param.grad is not g:
+                g.copy_(param.grad)
+                param.grad = g
+
+        return [p.register_post_accumulate_grad_hook(functools.partial(into, g=g))
+                for p, g in entry.grads]
 
     def _count_flags(self, overflow: int, spill: int, over_budget: int) -> None:
         self._stats.overflows += bool(overflow)
@@ -928,17 +959,24 @@ class GraphStep:
         self._stats.over_budget += bool(over_budget)
 
     def _rerun(self, args, kwargs, flags: tuple, *, regraph: bool, peaks=(),
-               finish=S.detach_tree):
+               finish=S.detach_tree, entry: _Graph | None = None):
         """Rerun a flagged step eagerly in dropless mode, grow the budget, apply its update.
 
         ``finish`` turns the step's outputs into what the call returns; it runs before the
         update (NOTE [transactional rerun]). ``peaks`` are the flagged step's (NOTE [step
         peaks]): the adaptive budgets grow from them (NOTE [budgets the step adapts]).
+        ``entry``: the replayed graph, whose gradient tensors the rerun writes (NOTE
+        [gradients]).
         """
         self._stats.eager_reruns += 1
         self._zero_grad()
         self._clear_flags()
-        out = self._call_fn(args, kwargs, is_dropless=True)
+        hooks = self._grads_into(entry) if entry is not None else []
+        try:
+            out = self._call_fn(args, kwargs, is_dropless=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
         self._clear_flags()
         grown = self._grow_budget(overflowed=bool(flags[0] or flags[1]))
         out = finish(out)
@@ -1081,7 +1119,7 @@ class GraphStep:
         capture_s = time.perf_counter() - t0
         grads = []
         if self.optimizer is not None:
-            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"]
+            grads = [(p, p.grad) for g in self.optimizer.param_groups for p in g["params"]
                      if p.grad is not None]
         names = S.leaf_names(args, kwargs)
         described = "; ".join(f"{n}: {x.describe()}" for n, x in zip(names, sig[1]))
@@ -1093,6 +1131,7 @@ class GraphStep:
         self._stats.capture_ms += 1e3 * capture_s
         self._captured(sig)
         self._graphs[sig] = entry
+        self._grads_of = entry                  # p.grad: what its capture wrote
         self._evict(self._graphs, sig)
         return entry
 
@@ -1136,8 +1175,10 @@ class GraphStep:
         if overflow or over_budget:
             self._restore_rng(saved_rng)
             return self._rerun(args, kwargs, (overflow, spill, over_budget), regraph=True,
-                               peaks=peaks, finish=functools.partial(self._rerun_outputs, entry))
+                               peaks=peaks, finish=functools.partial(self._rerun_outputs, entry),
+                               entry=entry)
         self._stats.steps += 1                  # the graph applied the update
+        self._bind_grads(entry)                 # NOTE [gradients]
         self.step_status.deliver_peaks(peaks, flagged=False)
         if self._outputs_mode == "static":
             return entry.outputs
