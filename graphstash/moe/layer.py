@@ -145,7 +145,7 @@ def _rows_kept(manager, exchange, budget, x) -> int | None:
     """The rows the stash lets this layer's experts compute on when tokens ``x`` go through a
     live-row exchange (NOTE [rows the stash keeps] in ``graphstash/stash/plan.py``), or None:
     the budget."""
-    if budget is None or exchange.world_size < 2:
+    if budget is None or exchange.world_size < 2 or x.dim() != 2:    # dispatch refuses x
         return None
     if not getattr(exchange.for_tokens(x), "keeps_rows", False):   # the one dispatch takes
         return None
