@@ -12,10 +12,14 @@ from graphstash.models import MoEConfig, MoEModel
 
 H, F, E, K, T = 16, 24, 8, 2, 48
 # outputs (absolute, of values ~1 after the final norm) and gradients (relative to the
-# reference's largest): summation orders differ between one device and the exchange
-TOLERANCE = {torch.float64: dict(rtol=0, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-5),
+# reference's largest): summation orders differ between one device and the exchange. float64
+# is the tight check; float32 allows 1e-4, as the eager peer's test does: a CPU whose kernels
+# block the one-device reference's 2T-row GEMMs otherwise than the T-row ones was measured
+# 3.1e-5 off (the final RMSNorm scales rounding up), while a wrong expert, weight or sign is
+# off by O(1)
+TOLERANCE = {torch.float64: dict(rtol=0, atol=1e-12), torch.float32: dict(rtol=1e-4, atol=1e-4),
              torch.bfloat16: dict(rtol=0, atol=6e-2)}
-GRAD_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2}
+GRAD_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
 def config_for(world: int, **over) -> MoEConfig:
