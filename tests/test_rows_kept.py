@@ -101,7 +101,7 @@ def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int,
     """README's ``MoEModel(config, group=g)`` in stash mode (every group stashed) under
     graph_step, its experts trained on this rank's tokens, against the dropless model trained
     on every rank's; ``route(i, model, ref)`` sets both routings before step ``i``. Checks the
-    experts end equal and returns the step's stats."""
+    experts end equal and returns the decorated step (``.stats``, ``.stash_manager``)."""
     import torch.distributed as dist
 
     import graphstash
@@ -145,7 +145,7 @@ def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int,
     for i, (p, q) in enumerate(zip(experts, ref_experts)):
         assert q.grad.abs().max() > 1e-4, f"reference gradient {i} is ~0"
         assert_trained_close(p, q[rank * El:(rank + 1) * El], f"rank {rank} expert weight {i}")
-    return stats
+    return train_step
 
 
 def _drift(i: int, model, ref) -> None:
@@ -171,7 +171,7 @@ def _model_ranks(rank: int, world: int) -> dict:
     ExchangePlan.keep_rows = spy
     try:
         stats = _train_against_dropless(rank, world, routing="drift:0.7:2", tokens=32, seed=11,
-                                        steps=8, route=_drift)
+                                        steps=8, route=_drift).stats
     finally:
         ExchangePlan.keep_rows = real_keep
     assert kept_rows and all(rows < budget for rows, budget in kept_rows), kept_rows
@@ -210,7 +210,7 @@ def _gradual_ranks(rank: int, world: int, grow_ahead: float) -> dict:
 
     stash_manager.GROW_AHEAD = grow_ahead
     stats = _train_against_dropless(rank, world, routing="skew:0.0", tokens=256, seed=12,
-                                    steps=10, route=_creep)
+                                    steps=10, route=_creep).stats
     assert stats.stash_growths == stats.eager_reruns, stats
     return {"reruns": stats.eager_reruns, "ahead": stats.stash_grown_ahead}
 
@@ -226,3 +226,42 @@ def test_rows_that_creep_up_grow_the_stash_before_it_overflows(grow_ahead):
             assert report["reruns"] == 0 and report["ahead"] >= 1, reports
         else:
             assert report["reruns"] >= 1 and report["ahead"] == 0, reports
+
+
+def _jump(i: int, model, ref) -> None:
+    """Rank 1's experts (the last two of four) favoured by 1.0 of router bias for three steps,
+    then rank 0's: the rows of rank 0 jump to about three times what its plan measured, as
+    under ``drift`` when the favoured rank moves."""
+    for m in (model, ref):
+        for block in m.blocks:
+            block.routing_bias.zero_()
+            block.routing_bias[2:] = 1.0 if i < 3 else 0.0
+            block.routing_bias[:2] = 0.0 if i < 3 else 1.0
+
+
+def _jump_ranks(rank: int, world: int) -> dict:
+    """Rows that jump once: the reruns, what the plan stashes and the pages it holds."""
+    step = _train_against_dropless(rank, world, routing="skew:0.0", tokens=256, seed=13,
+                                   steps=9, route=_jump)
+    stats, manager = step.stats, step.stash_manager
+    assert stats.stash_growths == stats.eager_reruns, stats
+    stashed = [row for row in manager.plan() if row["stashed"]]
+    pool = sum(b.num_device_pages * b.page_bytes for b in manager.buffers.values())
+    return {"reruns": stats.eager_reruns, "stashed": len(stashed), "pool": pool,
+            "freed": sum(row["budget_bytes"] for row in stashed),
+            "why": sorted({row["why"][:12] for row in manager.plan()})}
+
+
+def test_rows_that_jump_grow_the_stash_to_the_need_or_it_steps_aside():
+    """NOTE [growth to the need]: when rank 0's rows jump to about three times what its plan
+    measured, one rerun grows its stash to the rows asked for (growing by ``budget_growth``
+    1.5 alone took two, and overshot: both ranks stepped aside); rank 1, whose plan measured
+    the favoured rows, would then hold more pages than the budget rows its stash frees and
+    steps aside. Rank 0's pages stay below the budget rows they replace, and both train as the
+    dropless model does."""
+    reports = [eval(text) for text in run_ranks(_jump_ranks, 2)]
+    rank0, rank1 = reports
+    assert rank0["reruns"] == 1, reports
+    assert rank0["stashed"] >= 1 and 0 < rank0["pool"] < rank0["freed"], reports
+    assert rank1["stashed"] == 0 and rank1["pool"] == 0, reports
+    assert "steps aside:" in rank1["why"], reports

@@ -978,12 +978,12 @@ class GraphStep:
             for hook in hooks:
                 hook.remove()
         self._clear_flags()
+        status = self.step_status
+        before = [(owner, owner.state_dict()) for owner, _ in status.raised_peaks(peaks)]
+        status.deliver_peaks(peaks, flagged=True)   # the stash's fill, before it grows
         grown = self._grow_budget(overflowed=bool(flags[0] or flags[1]))
         out = finish(out)
         self._apply_update()
-        status = self.step_status
-        before = [(owner, owner.state_dict()) for owner, _ in status.raised_peaks(peaks)]
-        status.deliver_peaks(peaks, flagged=True)
         if self._on_overflow is None:
             if grown and regraph:
                 self._drop_graphs()         # the next call recaptures with the grown budget
@@ -1009,9 +1009,10 @@ class GraphStep:
         return out
 
     def _grow_budget(self, *, overflowed: bool) -> bool:
-        """Grow the stash by ``budget_growth`` (``grow``: NOTE [step protocol], a new config,
-        never the user's) after a step that overflowed or spilled on some rank; True if it
-        grew.
+        """Grow the stash by ``budget_growth``, or to the rows the step asked for where its
+        groups keep rows (NOTE [growth to the need] in ``graphstash/stash/plan.py``), after a
+        step that overflowed or spilled on some rank (``grow``: NOTE [step protocol], a new
+        config, never the user's); True if it grew.
 
         NOTE [stash growth]: only an overflow or a host spill says the stash was too small. A
         step that was only over a dispatch budget leaves it as it is: its budgets grow instead
@@ -1023,7 +1024,8 @@ class GraphStep:
         hidden 64 after 30 (``graphstash bench moe --ep 4 --device cpu --routing drift``)."""
         if self._manager is None or not overflowed:
             return False
-        self._manager.grow(self._budget_growth)
+        # NOTE [growth to the need] in graphstash/stash/plan.py
+        self._manager.grow(self._manager.growth(self._budget_growth))
         self._stats.stash_growths += 1
         return True
 

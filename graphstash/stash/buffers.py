@@ -43,7 +43,10 @@ class StashBuffers:
         status: the int32 ``[8]`` status tensor every buffer shares (on ``device``).
 
     ``generation`` counts the times the buffers changed under a step (rings reset, re-sized,
-    released): a group stashed in an older generation cannot be reloaded.
+    released): a group stashed in an older generation cannot be reloaded. ``fold_device_demand``
+    (default True): whether :meth:`collect_peaks` raises the demand that sizes the buffers to
+    the pages the device saw; False once the groups' experts compute on the rows their pages
+    hold (NOTE [growth to the need] in ``plan.py``).
 
     Example::
 
@@ -61,6 +64,7 @@ class StashBuffers:
         self.status = status
         self.released = False
         self.generation = 0
+        self.fold_device_demand = True
         self._buffers: dict = {}          # key -> PagedStashBuffer
         self._sizes: dict = {}            # key -> (device_tokens, host_tokens, record_entries)
         self._peak_pages: dict = {}       # key -> highest demand in pages seen
@@ -114,7 +118,10 @@ class StashBuffers:
         self._peak_entries[key] = max(self._peak_entries.get(key, 0), entries)
 
     def collect_peaks(self) -> None:
-        """Fold the buffers' device demand marks into the host-side peaks (syncs)."""
+        """Fold the buffers' device demand marks into the host-side peaks (syncs; nothing
+        without ``fold_device_demand``)."""
+        if not self.fold_device_demand:
+            return
         for key, buf in self._buffers.items():
             if not buf.released:
                 peak = int(buf.state[L.ST_DEMAND_PEAK].item())

@@ -27,6 +27,7 @@ from .trace import StashTrace
 
 EAGER_OVERFLOW = ("raise", "warn")
 GROW_AHEAD = 0.97   # NOTE [stash growth ahead] in graphstash/graph/_step.py: the fill that grows it
+NEED_HEADROOM = 1.1  # NOTE [growth to the need] in plan.py: rows kept over the rows asked for
 
 _defaults = ThreadStack()      # .stack: the `with manager:` blocks of this thread
 
@@ -152,6 +153,7 @@ class StashManager:
         :class:`~graphstash.errors.CaptureError` that says so)."""
         forbid_capture("StashManager.replan()")
         self.scheduler.replan()
+        self._buffers.fold_device_demand = True
 
     def next_group_rows(self) -> int | None:
         """The rows the experts of the next ``stash_activations`` group compute on, or None
@@ -170,10 +172,21 @@ class StashManager:
         (:meth:`next_group_rows`), as a step peak in thousandths; the most over the step's
         groups and the ranks reaches the manager after the step. Capturable: no host read."""
         fill = self._fill
+        self._buffers.fold_device_demand = False     # NOTE [growth to the need] in plan.py
         if fill.slot is None:
             fill.slot = claim_peak_slot(fill, "fill")
         value = (demand_rows.reshape(1).to(torch.int64) * 1000 + rows - 1) // rows
         raise_peak(self.step_status.peaks, fill.slot, value)
+
+    def growth(self, default: float) -> float:
+        """The factor to grow by after a step that overflowed (NOTE [growth to the need] in
+        ``plan.py``): where groups compute on the rows they keep and that step reported its
+        fill (:meth:`raise_fill`), the rows it asked for over the rows kept x
+        :data:`NEED_HEADROOM`, if that is more than ``default``; else ``default``."""
+        last = self._fill.last
+        if self._buffers.fold_device_demand or last is None:
+            return default
+        return max(default, last / 1000 * NEED_HEADROOM)
 
     def take_grow_ahead(self) -> bool:
         """Whether a step that was not rerun filled :data:`GROW_AHEAD` or more of the rows some
@@ -261,7 +274,10 @@ class StashManager:
         (``dataclasses.replace``; the config the manager was built with is not changed) and
         the buffers are re-sized from the demand measured so far. A host-only stash
         (``device_factor`` 0, accepted only with a host tier) grows ``host_factor`` instead:
-        multiplying 0 would grow nothing. True if a buffer changed.
+        multiplying 0 would grow nothing. Where the groups compute on the rows their pages hold
+        and the grown pages would hold as much as the budget rows they free, the plan steps
+        aside instead and the buffers are freed (NOTE [growth to the need] in ``plan.py``).
+        True if a buffer changed.
 
         Args:
             factor: a finite number > 1.
@@ -270,6 +286,12 @@ class StashManager:
                 1.0 < factor < math.inf):
             raise ValueError(f"factor: expected a finite number > 1, got {factor!r}")
         self._buffers.grow(factor)
+        if not self._buffers.fold_device_demand and self.scheduler.plan.step_aside(
+                self._buffers.config.device_factor):      # NOTE [growth to the need] in plan.py
+            self.scheduler.join()
+            self.scheduler.invalidate()
+            self._buffers.forget()
+            return True
         return self.size_from_demand()
 
     def peak(self) -> int:
@@ -386,17 +408,20 @@ class _Fill:
         self.version = 0            # nothing a graph bakes in changes here
         self.slot: int | None = None
         self.grow_ahead = False
+        self.last: int | None = None   # the last step's fill (NOTE [growth to the need])
 
     def observe(self, peaks: dict, *, flagged: bool) -> None:
         fill = peaks.get("fill")
+        self.last = fill
         if fill is not None and not flagged and fill >= GROW_AHEAD * 1000:
             self.grow_ahead = True
 
     def state_dict(self) -> dict:
-        return {"grow_ahead": self.grow_ahead}
+        return {"grow_ahead": self.grow_ahead, "last": self.last}
 
     def load_state_dict(self, state: dict) -> None:
         self.grow_ahead = bool(state["grow_ahead"])
+        self.last = state.get("last")
 
 
 def current_default() -> StashManager | None:

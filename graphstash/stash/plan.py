@@ -72,6 +72,26 @@ any group: it holds as many rows as the pages would. A group the plan keeps by c
 stash would not lower the peak) computes on its whole budget, and a plan that stashes nothing
 changes nothing. One device keeps the whole budget: its experts regather their input and keep
 only the pre-activation (NOTE [regathered input] in ``graphstash/moe/mlp.py``).
+
+NOTE [growth to the need]: under drifting routing (the favoured rank moves), a rank's rows
+jump: on two H100s, qwen3-30b-a3b widths, capacity factor 2.0, `drift` with the stash, the
+rank whose plan was made while its experts were not favoured got about four times the rows
+after the move. The stash grew by ``budget_growth`` (1.5) per overflow, reran each time, and
+sized its pages from ``device_factor`` x the pages the device had seen, which were already
+``device_factor`` x the rows measured (a group never fills more than it keeps): the two
+factors multiplied, and a capture asked for 8 GiB of pages and failed for want of memory
+(docs/exchange.md, "Rows the stash keeps"). So, once a group computes on the rows its pages
+hold: the pages are sized from the demand the plan measured, x ``device_factor``, not from
+the device's marks (``StashBuffers.fold_device_demand``); a step that overflowed grows
+``device_factor`` to the rows it asked for, not by a fixed step: by the step's fill (the rows
+asked for over the rows kept, the most over the groups and the ranks; NOTE [stash growth
+ahead] in ``graphstash/graph/_step.py``) x ``NEED_HEADROOM`` (1.1, in ``manager.py``), or ``budget_growth`` if
+that is more (:meth:`StashManager.growth`); and where ``device_factor`` x the measured live
+rows would hold as much as the budget rows the stash frees, summed over the stashed groups,
+the plan steps aside (:meth:`StashPlan.step_aside`): it stashes nothing from then on, its
+pages are freed, and every group computes on its budget, as without the stash. A rank steps
+aside by its own plan; ranks whose rows were few keep stashing. One device, whose groups keep
+their budgets, grows as before.
 """
 from __future__ import annotations
 
@@ -180,6 +200,7 @@ class StashPlan:
         self._measured: set[int] = set()
         self._unseen = False              # what a group the measured step lacked gets
         self._rows: dict[int, int] = {}   # gid -> the most live rows measured
+        self._bytes: dict[int, tuple[int, int]] = {}   # gid -> (budget, live) bytes measured
         self._last: set[int] = set()      # NOTE [last group kept]
 
     def stashes(self, gid: int) -> bool:
@@ -206,6 +227,27 @@ class StashPlan:
         if rows <= 0:
             return None
         return page_size * math.ceil(factor * rows / page_size - 1e-9)
+
+    def step_aside(self, device_factor: float) -> bool:
+        """NOTE [growth to the need]: whether pages of ``device_factor`` x the measured live
+        rows would hold at least the budget rows the stashed groups free (summed over them); if
+        so the plan stashes nothing from now on (each row says why) and True."""
+        if not self.made or self.keep_all or not self._stashed:
+            return False
+        budget = sum(self._bytes[g][0] for g in self._stashed)
+        live = sum(self._bytes[g][1] for g in self._stashed)
+        if device_factor * live < budget:
+            return False
+        why = (f"steps aside: device_factor {device_factor:.3g} x the live rows "
+               f"({device_factor * live / MIB:.0f} MiB) holds at least the budget rows "
+               f"stashing frees ({budget / MIB:.0f} MiB)")
+        for row in self.rows:
+            if row["stashed"]:
+                row["stashed"], row["why"] = False, why
+        self._stashed, self._last = set(), set()
+        self._unseen = False
+        self.keep_all = True
+        return True
 
     def make(self, events: list[Event], groups: list[Group], config: StashConfig,
              timeline: list | None = None) -> None:
@@ -247,6 +289,7 @@ class StashPlan:
         self._stashed = chosen
         self._measured = {g.gid for g in groups}
         self._rows = {g.gid: g.rows_peak for g in groups}
+        self._bytes = {g.gid: (budget[g.gid], live[g.gid]) for g in groups}
         self._last = set(last)
         self._unseen = bool(chosen) and (policy == "always" or not usable)
         self.made = True
