@@ -97,10 +97,11 @@ def test_keep_rows_equals_the_whole_budget_while_the_rows_fit_and_flags_when_not
 
 
 def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int, seed: int,
-                            steps: int, route) -> dict:
+                            steps: int, route, probe=None) -> dict:
     """README's ``MoEModel(config, group=g)`` in stash mode (every group stashed) under
     graph_step, its experts trained on this rank's tokens, against the dropless model trained
-    on every rank's; ``route(i, model, ref)`` sets both routings before step ``i``. Checks the
+    on every rank's; ``route(i, model, ref)`` sets both routings before step ``i``; ``probe()``,
+    if given, runs inside the step function, after the backward. Checks the
     experts end equal and returns the decorated step (``.stats``, ``.stash_manager``)."""
     import torch.distributed as dist
 
@@ -125,6 +126,8 @@ def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int,
     def train_step(x, proj):
         loss = (model(x).float() * proj).sum()
         loss.backward()
+        if probe is not None:
+            probe()
         return loss.detach()
 
     gen = torch.Generator().manual_seed(seed)
@@ -240,11 +243,20 @@ def _jump(i: int, model, ref) -> None:
 
 
 def _jump_ranks(rank: int, world: int) -> dict:
-    """Rows that jump once: the reruns, what the plan stashes and the pages it holds."""
-    step = _train_against_dropless(rank, world, routing="skew:0.0", tokens=256, seed=13,
-                                   steps=9, route=_jump)
+    """Rows that jump once: the reruns, what the plan stashes and the pages it holds, and
+    whether the stash held its pages while each run of the step function ran."""
+    import graphstash
+    from graphstash.stash import current_manager
+
+    runs = []
+    step = _train_against_dropless(
+        rank, world, routing="skew:0.0", tokens=256, seed=13, steps=9, route=_jump,
+        probe=lambda: runs.append((graphstash.is_dropless(), current_manager().released)))
     stats, manager = step.stats, step.stash_manager
     assert stats.stash_growths == stats.eager_reruns, stats
+    # the pages are released while a rerun runs, and only then (NOTE [rerun memory])
+    assert [dropless for dropless, _ in runs].count(True) == stats.eager_reruns, runs
+    assert all(released == dropless for dropless, released in runs), runs
     stashed = [row for row in manager.plan() if row["stashed"]]
     pool = sum(b.num_device_pages * b.page_bytes for b in manager.buffers.values())
     return {"reruns": stats.eager_reruns, "stashed": len(stashed), "pool": pool,
@@ -257,8 +269,8 @@ def test_rows_that_jump_grow_the_stash_to_the_need_or_it_steps_aside():
     measured, one rerun grows its stash to the rows asked for (growing by ``budget_growth``
     1.5 alone took two, and overshot: both ranks stepped aside); rank 1, whose plan measured
     the favoured rows, would then hold more pages than the budget rows its stash frees and
-    steps aside. Rank 0's pages stay below the budget rows they replace, and both train as the
-    dropless model does."""
+    steps aside. Rank 0's pages stay below the budget rows they replace and are released while
+    the rerun runs (NOTE [rerun memory]), and both train as the dropless model does."""
     reports = [eval(text) for text in run_ranks(_jump_ranks, 2)]
     rank0, rank1 = reports
     assert rank0["reruns"] == 1, reports

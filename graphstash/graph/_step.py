@@ -971,12 +971,15 @@ class GraphStep:
         self._stats.eager_reruns += 1
         self._zero_grad()
         self._clear_flags()
+        freed = self._free_stash(flags)
         hooks = self._grads_into(entry) if entry is not None else []
         try:
             out = self._call_fn(args, kwargs, is_dropless=True)
         finally:
             for hook in hooks:
                 hook.remove()
+            if freed:
+                self._manager.reallocate()
         self._clear_flags()
         status = self.step_status
         before = [(owner, owner.state_dict()) for owner, _ in status.raised_peaks(peaks)]
@@ -985,8 +988,8 @@ class GraphStep:
         out = finish(out)
         self._apply_update()
         if self._on_overflow is None:
-            if grown and regraph:
-                self._drop_graphs()         # the next call recaptures with the grown budget
+            if grown:
+                self._drop_graphs()         # the next call recaptures with the grown stash
             return out
         try:
             verdict = self._on_overflow({"overflow": bool(flags[0]),
@@ -1004,9 +1007,32 @@ class GraphStep:
                          "it) when on_overflow was interrupted")
             raise
         finally:
-            if regraph:
+            if regraph or grown:
                 self._drop_graphs()         # on_overflow may have grown a budget a graph baked
         return out
+
+    # NOTE [rerun memory]: a dropless rerun does not stash (``stash_activations`` does nothing
+    # in dropless mode), yet the stash's pages stayed allocated beside the rerun's own
+    # activations. Under drifting routing on two H100s (qwen3-30b-a3b widths, capacity factor
+    # 2.0, docs/exchange.md, "Rows the stash keeps") the one rerun of the stash row set its
+    # peak: 8565 MiB of activation against 4383 for the same row without the stash, which
+    # never reran. A step whose stash overflowed or spilled grows the stash after its rerun
+    # (NOTE [stash growth]) and every graph is then recaptured, so nothing is lost by freeing
+    # the pages before the rerun: the graphs that write them are dropped first (they would be
+    # after the growth), the buffers are released, and they come back (``reallocate``) when
+    # the rerun ends, raised or not, before the growth re-sizes them. A step only over a
+    # dispatch budget keeps its stash and its graphs. A grown stash drops the graphs whether
+    # the flagged step was replayed or eager: an eager step of a new signature may run while
+    # graphs of others exist, and they write the old pages.
+    def _free_stash(self, flags: tuple) -> bool:
+        """Before a rerun (NOTE [rerun memory]): if the flagged step's stash overflowed or
+        spilled, drop the graphs and release the stash's buffers; True if released."""
+        manager = self._manager
+        if manager is None or not (flags[0] or flags[1]) or manager.released:
+            return False
+        self._graphs.clear()
+        manager.release()
+        return True
 
     def _grow_budget(self, *, overflowed: bool) -> bool:
         """Grow the stash by ``budget_growth``, or to the rows the step asked for where its
