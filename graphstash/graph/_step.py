@@ -988,8 +988,8 @@ class GraphStep:
         out = finish(out)
         self._apply_update()
         if self._on_overflow is None:
-            if grown:
-                self._drop_graphs()         # the next call recaptures with the grown stash
+            if grown and regraph:
+                self._drop_graphs()         # the next call recaptures with the grown budget
             return out
         try:
             verdict = self._on_overflow({"overflow": bool(flags[0]),
@@ -1007,7 +1007,7 @@ class GraphStep:
                          "it) when on_overflow was interrupted")
             raise
         finally:
-            if regraph or grown:
+            if regraph:
                 self._drop_graphs()         # on_overflow may have grown a budget a graph baked
         return out
 
@@ -1021,9 +1021,9 @@ class GraphStep:
     # the pages before the rerun: the graphs that write them are dropped first (they would be
     # after the growth), the buffers are released, and they come back (``reallocate``) when
     # the rerun ends, raised or not, before the growth re-sizes them. A step only over a
-    # dispatch budget keeps its stash and its graphs. A grown stash drops the graphs whether
-    # the flagged step was replayed or eager: an eager step of a new signature may run while
-    # graphs of others exist, and they write the old pages.
+    # dispatch budget keeps its stash and its graphs. The graphs go whether the flagged step
+    # was replayed or eager: an eager step of a new signature may run while graphs of others
+    # exist, and they wrote the old pages.
     def _free_stash(self, flags: tuple) -> bool:
         """Before a rerun (NOTE [rerun memory]): if the flagged step's stash overflowed or
         spilled, drop the graphs and release the stash's buffers; True if released."""

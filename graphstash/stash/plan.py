@@ -85,8 +85,8 @@ hold: the pages are sized from the demand the plan measured, x ``device_factor``
 the device's marks (``StashBuffers.fold_device_demand``); a step that overflowed grows
 ``device_factor`` to the rows it asked for, not by a fixed step: by the step's fill (the rows
 asked for over the rows kept, the most over the groups and the ranks; NOTE [stash growth
-ahead] in ``graphstash/graph/_step.py``) x ``NEED_HEADROOM`` (1.1, in ``manager.py``), or ``budget_growth`` if
-that is more (:meth:`StashManager.growth`); and where ``device_factor`` x the measured live
+ahead] in ``graphstash/graph/_step.py``) x ``NEED_HEADROOM`` (1.1, in ``manager.py``), or
+by ``budget_growth`` if that is more (:meth:`StashManager.growth`); and where ``device_factor`` x the measured live
 rows would hold as much as the budget rows the stash frees, summed over the stashed groups,
 the plan steps aside (:meth:`StashPlan.step_aside`): it stashes nothing from then on, its
 pages are freed, and every group computes on its budget, as without the stash. A rank steps
