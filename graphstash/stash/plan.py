@@ -75,8 +75,9 @@ only the pre-activation (NOTE [regathered input] in ``graphstash/moe/mlp.py``).
 
 NOTE [growth to the need]: under drifting routing (the favoured rank moves), a rank's rows
 jump: on two H100s, qwen3-30b-a3b widths, capacity factor 2.0, `drift` with the stash, the
-rank whose plan was made while its experts were not favoured got about four times the rows
-after the move. The stash grew by ``budget_growth`` (1.5) per overflow, reran each time, and
+rank whose plan was made while its experts were not favoured got several times the rows it
+kept once the favoured rank moved (on two gloo ranks, ``tests/test_rows_kept.py``, 2.5
+times). The stash grew by ``budget_growth`` (1.5) per overflow, reran each time, and
 sized its pages from ``device_factor`` x the pages the device had seen, which were already
 ``device_factor`` x the rows measured (a group never fills more than it keeps): the two
 factors multiplied, and a capture asked for 8 GiB of pages and failed for want of memory
