@@ -1014,9 +1014,9 @@ class GraphStep:
     # NOTE [rerun memory]: a dropless rerun does not stash (``stash_activations`` does nothing
     # in dropless mode), yet the stash's pages stayed allocated beside the rerun's own
     # activations. Under drifting routing on two H100s (qwen3-30b-a3b widths, capacity factor
-    # 2.0, docs/exchange.md, "Rows the stash keeps") the one rerun of the stash row set its
-    # peak: 8565 MiB of activation against 4383 for the same row without the stash, which
-    # never reran. A step whose stash overflowed or spilled grows the stash after its rerun
+    # 2.0, docs/exchange.md, "Rows the stash keeps") the stash row, which reran once, peaked
+    # at 8565 MiB of activation against 4383 for the same row without the stash, which never
+    # reran; the rerun beside the pages is the likely cause. A step whose stash overflowed or spilled grows the stash after its rerun
     # (NOTE [stash growth]) and every graph is then recaptured, so nothing is lost by freeing
     # the pages before the rerun: the graphs that write them are dropped first (they would be
     # after the growth), the buffers are released, and they come back (``reallocate``) when
