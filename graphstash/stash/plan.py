@@ -83,7 +83,8 @@ sized its pages from ``device_factor`` x the pages the device had seen, which we
 factors multiplied, and a capture asked for 8 GiB of pages and failed for want of memory
 (docs/exchange.md, "Rows the stash keeps"). So, once a group computes on the rows its pages
 hold: the pages are sized from the demand the plan measured, x ``device_factor``, not from
-the device's marks (``StashBuffers.fold_device_demand``); a step that overflowed grows
+the device's marks (``StashBuffers.fold_device_demand``, for the manager's buffers as a whole:
+groups of other layers in the same stash then grow by the factor alone); a step that overflowed grows
 ``device_factor`` to the rows it asked for, not by a fixed step: by the step's fill (the rows
 asked for over the rows kept, the most over the groups and the ranks; NOTE [stash growth
 ahead] in ``graphstash/graph/_step.py``) x ``NEED_HEADROOM`` (1.1, in ``manager.py``), or
