@@ -32,6 +32,8 @@ rank writes into other ranks per step (device counters of the transport over the
 for the peers, what their collectives send, from the split sizes, over the warmup steps) and
 their ratio to the eager peer's, the counts/flags/signals bytes, and the steps flagged over
 budget, overflowed and rerun (all calls of the row). Figures are the largest over the ranks.
+Under the table, on CUDA: which call set each row's peak, and whether it was a rerun, a
+capture or a replay (NOTE [peak call] in ``peak_call.py``; ``"peak_call"`` in the JSON).
 ``--profile``: each rank profiles a few calls of each row after the timed ones and rank 0
 prints, per row and rank, the kernel time per step and its shares in the exchange (the
 live-row kernels ``gs_xchg_*``, NCCL's), grouped GEMMs, other GEMMs, the optimizer and the rest
@@ -62,6 +64,7 @@ from .moe_setup import DEFAULT_PREFETCH
 from .ep_rows import (PEER_ROWS, ROWS, TRANSPORT_ROWS, build_row, transport_bytes,
                       transport_sizes, unavailable)
 from .kernel_share import GROUPS, profile_steps
+from .peak_call import PeakCalls, describe, highest
 from .spread import range_text, spread
 from .timing import event_ms
 
@@ -367,8 +370,10 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
             run.step(*batches[i % len(batches)])
             tick()
     ranks.before_capture()             # NOTE [steady-state peak] in moe.py
+    peak_calls = PeakCalls(device, run.graph)            # NOTE [peak call]
     run.step(*batches[warmup % len(batches)])            # graphed rows: the capture
     tick()
+    peak_calls.after_call()
     if builds_own:
         transport = run.model.exchange
     before = transport.counters() if transport is not None else None
@@ -377,6 +382,7 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
         batch = batches[(warmup + 1 + i) % len(batches)]
         samples.append(_time_ms(device, functools.partial(run.step, *batch)))
         tick()
+        peak_calls.after_call()
     after = transport.counters() if transport is not None else None
     if builds_own and run.model.exchange is not transport:     # rebuilt while timed
         before = after = None
@@ -387,6 +393,7 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
         kernels = ranks.gather(profile_steps(
             lambda: step(*batches[next(calls) % len(batches)]), PROFILE_STEPS))
         step = None                    # the row's model is freed below
+    peak_call = highest(ranks.gather(peak_calls.best()))
     ranks.sync()
     peak = _allocated(device, peak=True) - base
     static = ranks.device_total(static_footprint(run.model, run.optimizer, device=device))
@@ -430,7 +437,8 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
             "over_budget": int(over_budget), "overflow": int(overflow), "reruns": int(reruns),
             "recaptures": int(figures[13]), "budgets": budgets,
             "calls": calls, "stashed_groups": int(figures[14]),
-            "stashed_groups_min": int(-figures[15]), "groups": len(plan), "kernels": kernels}
+            "stashed_groups_min": int(-figures[15]), "groups": len(plan), "kernels": kernels,
+            "peak_call": peak_call}
 
 
 def add_ratios(results: dict) -> None:
@@ -487,6 +495,9 @@ def notes(entry: dict) -> list:
              "sent: rows (and router weights) written into other ranks per step (transports: "
              "device counters over the timed steps; peers: their collectives' split sizes "
              "over the warmup steps); meta: counts, flags and signals"]
+    peaks = [describe(row, r.get("peak_call")) for row, r in entry["results"].items()]
+    if any(peaks):
+        lines.append("peak set by (NOTE [peak call]): " + "; ".join(p for p in peaks if p))
     if entry["ep"]["kind"] == "threads":
         lines.append("in-process ranks share one device: peak and activation peak are the "
                      "device's divided by the ranks")
