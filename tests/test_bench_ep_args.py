@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from graphstash.models import PRESETS
-from graphstash.tools import cli
+from graphstash.tools import cli, options
 from graphstash.tools.bench import ep_ranks, ep_rows, moe, moe_ep
 from graphstash.tools.bench.moe_ep import Launch
 
@@ -57,6 +57,9 @@ BAD = [
     (("--ep", "2", "--transport", "local"), None,
      "--transport: 'local' (ranks as threads of one process) is not offered on a GPU"),
     (("--ep", "2"), "two", "--ep: the launcher's WORLD_SIZE must be an int, got 'two'"),
+    (("--ep", "2", "--device", "cpu"), "2",
+     "--device: under torchrun (WORLD_SIZE=2) every process is a rank on its own CUDA GPU, and "
+     "--device cpu asks for none; on the CPU run it without torchrun"),
     (("--ep", "2", "--modes", "graph + budget"), None,
      "--modes: expected names from eager peer, nccl chunks, worst-case buffers, live rows, "
      "live rows + stash with --ep, got 'graph + budget'"),
@@ -293,3 +296,12 @@ def test_spawned_ranks_return_their_values_in_rank_order():
     out, _ = _spawn("every_rank_answers", timeout_s=120.0)
     assert out == {"ok": [{"rank": 0, "largest": 1.0, "gathered": [0, 10]},
                           {"rank": 1, "largest": 1.0, "gathered": [0, 10]}]}, out
+
+
+def test_torchrun_without_a_gpu_is_refused_by_the_device_flag(monkeypatch):
+    """Under torchrun every process is a rank on its own GPU; where torch sees none the flag
+    that chose the device is named (torch's own error came from deep in the launch)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(options.FlagError, match="--device: under torchrun .* torch sees none"):
+        moe_ep.launch_from_args(_args("--ep", "2"))

@@ -177,6 +177,13 @@ def launch_from_args(args, environ=None) -> Launch:
                 f"--transport: {transport!r} runs the ranks itself (threads of one process, or "
                 f"processes on the CPU); under torchrun (WORLD_SIZE={world}) every process is "
                 f"a rank: use auto, symmetric, ipc or nccl")
+        if getattr(args, "device", "auto") == "cpu" or not torch.cuda.is_available():
+            why = ("--device cpu asks for none" if getattr(args, "device", "auto") == "cpu"
+                   else "torch sees none")
+            raise options.FlagError(
+                f"--device: under torchrun (WORLD_SIZE={world}) every process is a rank on its "
+                f"own CUDA GPU, and {why}; on the CPU run it without torchrun: graphstash bench "
+                f"moe --ep {world} --device cpu (the ranks as gloo processes)")
         return Launch("torchrun", world, transport)
     if ep is None:
         raise options.FlagError("--ep: expected the number of expert-parallel ranks (an int "
