@@ -398,6 +398,7 @@ def test_stash_overflow_grows_budget_and_matches_eager():
     opt, ref_opt = OPTIMIZERS["adamw_fused"](model.parameters()), OPTIMIZERS["adamw_fused"](ref.parameters())
     data = _batches(12, batch=512)
     tokens = torch.tensor([512], dtype=torch.int32, device="cuda")
+    released_in_reruns = []
 
     @graph_step(optimizer=opt, warmup=1,
                 stash=stash.StashConfig(page_size=64, device_factor=0.2, host_tier=False,
@@ -416,6 +417,8 @@ def test_stash_overflow_grows_budget_and_matches_eager():
                 h = model.dropout(torch.relu(layer(h)))
         loss = torch.nn.functional.mse_loss(h, y)
         loss.backward()
+        if graphstash.is_dropless():                 # NOTE [rerun memory]
+            released_in_reruns.append(stash.current_manager().released)
         return loss
 
     losses = [train_step(x, y) for x, y, _ in data]
@@ -432,6 +435,9 @@ def test_stash_overflow_grows_budget_and_matches_eager():
     # replay reruns once dropless, grows the budget and the next call recaptures
     assert st.overflows >= 1 and st.eager_reruns == st.overflows
     assert st.captures == st.overflows + 1 and st.replays == 11
+    # every rerun ran with the stash's pages released, and they came back after it
+    assert released_in_reruns == [True] * st.eager_reruns, released_in_reruns
+    assert not train_step.stash_manager.released
     assert not train_step.stash_manager.read_status()["overflow"]
     assert int(opt.state[next(model.parameters())]["step"]) == 12     # every update once
 
