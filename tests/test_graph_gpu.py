@@ -421,13 +421,18 @@ def test_stash_overflow_grows_budget_and_matches_eager():
             released_in_reruns.append(stash.current_manager().released)
         return loss
 
-    losses = [train_step(x, y) for x, y, _ in data]
     for i, (x, y, _) in enumerate(data):
+        got = train_step(x, y)
         ref_opt.zero_grad()
         loss = torch.nn.functional.mse_loss(ref(x), y)
         loss.backward()
+        _close(got, loss.detach(), f"loss of step {i}")
+        # NOTE [gradients]: after every call, reruns that grew the stash included, p.grad is
+        # that step's gradient (such a call used to leave it None)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad is not None, f"step {i}: {name} has no gradient"
+            _close(p.grad, q.grad, f"step {i}: gradient of {name}")
         ref_opt.step()
-        _close(losses[i], loss.detach(), f"loss of step {i}")
     _compare(model, opt, ref, ref_opt)
     st = train_step.stats
     assert st.stash_pages_peak > 0, "the captured steps never stashed"

@@ -130,6 +130,7 @@ def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int,
             probe()
         return loss.detach()
 
+    El = E // world
     gen = torch.Generator().manual_seed(seed)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "graphstash.graph_step", RuntimeWarning)
@@ -141,10 +142,15 @@ def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int,
             train_step(xs[rank], projs[rank])
             ref_opt.zero_grad()
             (ref(torch.cat(xs)).float() * torch.cat(projs)).sum().backward()
+            # after every call p.grad is that step's gradient, reruns that grew the stash
+            # included (NOTE [gradients])
+            for j, (p, q) in enumerate(zip(experts, ref_experts)):
+                assert p.grad is not None, f"step {i}: expert weight {j} has no gradient"
+                assert_trained_close(p.grad, q.grad[rank * El:(rank + 1) * El],
+                                     f"step {i}: rank {rank} gradient of expert weight {j}")
             ref_opt.step()
     stats = train_step.stats
     assert stats.steps == steps, stats
-    El = E // world
     for i, (p, q) in enumerate(zip(experts, ref_experts)):
         assert q.grad.abs().max() > 1e-4, f"reference gradient {i} is ~0"
         assert_trained_close(p, q[rank * El:(rank + 1) * El], f"rank {rank} expert weight {i}")

@@ -162,7 +162,10 @@ class _Graph:
 # gradient keeps ``p.grad`` None, as eagerly. Without DDP: its reducer owns its gradients'
 # layout. After every replay ``p.grad`` is the replayed graph's gradient (set again only when
 # another graph, a rerun or ``zero_grad`` pointed it elsewhere): with two graphs, or a graph
-# kept after a rerun, it would otherwise still show an older step's gradient. A step function
+# kept after a rerun, it would otherwise still show an older step's gradient. A rerun that
+# grew the stash or a budget drops the graphs but not ``p.grad``: the call returns with the
+# rerun's gradient, as an eager step would, and the next capture sets them to None first
+# (they used to be None after such a call). A step function
 # therefore must not call ``optimizer.step()`` itself (it is refused: NOTE [step ownership]);
 # calling ``zero_grad()`` is harmless.
 
@@ -989,7 +992,7 @@ class GraphStep:
         self._apply_update()
         if self._on_overflow is None:
             if grown and regraph:
-                self._drop_graphs()         # the next call recaptures with the grown budget
+                self._graphs.clear()        # the next call recaptures with the grown budget
             return out
         try:
             verdict = self._on_overflow({"overflow": bool(flags[0]),
@@ -1008,7 +1011,7 @@ class GraphStep:
             raise
         finally:
             if regraph:
-                self._drop_graphs()         # on_overflow may have grown a budget a graph baked
+                self._graphs.clear()        # on_overflow may have grown a budget a graph baked
         return out
 
     # NOTE [rerun memory]: a dropless rerun does not stash (``stash_activations`` does nothing
