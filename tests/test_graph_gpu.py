@@ -427,8 +427,8 @@ def test_stash_overflow_grows_budget_and_matches_eager():
         loss = torch.nn.functional.mse_loss(ref(x), y)
         loss.backward()
         _close(got, loss.detach(), f"loss of step {i}")
-        # NOTE [gradients]: after every call, reruns that grew the stash included, p.grad is
-        # that step's gradient (such a call used to leave it None)
+        # after every call, reruns that grew the stash included, p.grad is that step's
+        # gradient (such a call used to leave it None; NOTE [gradients])
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert p.grad is not None, f"step {i}: {name} has no gradient"
             _close(p.grad, q.grad, f"step {i}: gradient of {name}")
