@@ -165,9 +165,9 @@ class _Graph:
 # kept after a rerun, it would otherwise still show an older step's gradient. A rerun that
 # grew the stash or a budget drops the graphs but not ``p.grad``: the call returns with the
 # rerun's gradient, as an eager step would, and the next capture sets them to None first
-# (they used to be None after such a call). A step function
-# therefore must not call ``optimizer.step()`` itself (it is refused: NOTE [step ownership]);
-# calling ``zero_grad()`` is harmless.
+# (they used to be None after such a call). A step function therefore must not call
+# ``optimizer.step()`` itself (it is refused: NOTE [step ownership]); calling ``zero_grad()``
+# is harmless.
 
 # NOTE [step ownership]
 # The decorator applies the update itself (``optimizer.step()``, or ``scaler.step``/``update``):
@@ -1019,11 +1019,12 @@ class GraphStep:
     # activations. Under drifting routing on two H100s (qwen3-30b-a3b widths, capacity factor
     # 2.0, docs/exchange.md, "Rows the stash keeps") the stash row, which reran once, peaked
     # at 8565 MiB of activation against 4383 for the same row without the stash, which never
-    # reran; the rerun beside the pages is the likely cause. A step whose stash overflowed or spilled grows the stash after its rerun
-    # (NOTE [stash growth]) and every graph is then recaptured, so nothing is lost by freeing
-    # the pages before the rerun: the graphs that write them are dropped first (they would be
-    # after the growth), the buffers are released, and they come back (``reallocate``) when
-    # the rerun ends, raised or not, before the growth re-sizes them. A step only over a
+    # reran; the rerun beside the pages is the likely cause. A step whose stash overflowed or
+    # spilled grows the stash after its rerun (NOTE [stash growth]) and every graph is then
+    # recaptured, so nothing is lost by freeing the pages before the rerun: the graphs that
+    # write them are dropped first (they would be after the growth), the buffers are
+    # released, and they come back (``reallocate``) when the rerun ends, raised or not,
+    # before the growth re-sizes them. A step only over a
     # dispatch budget keeps its stash and its graphs. The graphs go whether the flagged step
     # was replayed or eager: an eager step of a new signature may run while graphs of others
     # exist, and they wrote the old pages.
