@@ -17,7 +17,7 @@ class _Graph:
 
     @property
     def stats(self):
-        return types.SimpleNamespace(eager_reruns=self.reruns, captures=self.captures)
+        return types.SimpleNamespace(reruns=self.reruns, captures=self.captures)
 
 
 def test_the_first_call_to_reach_the_highest_peak_is_named_with_what_it_did(monkeypatch):

@@ -304,10 +304,13 @@ def test_a_dead_rank_makes_the_others_fail_clearly(mode, tmp_path):
 
 
 # ---- W ranks in one process, one thread and stream each ---------------------------------
-def _captured_step(transport, E: int, T: int, budget: int, dtype):
+def _captured_step(transport, E: int, T: int, budget: int, dtype, seeds):
     """Static inputs, local experts and a CUDA graph of one fwd + bwd through ``transport``
     (captured on a side stream, without a device-wide sync); returns ``(graph, load,
-    results)``: ``load(seed)`` writes new inputs, ``results()`` reads output and gradients."""
+    results)``: ``load(i)`` writes the inputs of ``seeds[i]``, ``results(i)`` copies output and
+    gradients into the i-th result tensors. Everything the replays use is allocated here,
+    before any rank's exchange runs (NOTE [in-process ranks] in
+    graphstash/moe/exchange/local.py: no allocation while a peer's barrier spins)."""
     rank, world = transport.rank, transport.world_size
     El = E // world
     x0, idx0, w0, p0 = rank_data(40, rank, T, E, DEVICE, dtype)
@@ -329,13 +332,19 @@ def _captured_step(transport, E: int, T: int, budget: int, dtype):
         graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
 
-    def load(seed):
-        x, idx, w, proj = rank_data(seed, rank, T, E, DEVICE, dtype)
+    inputs = [rank_data(seed, rank, T, E, DEVICE, dtype) for seed in seeds]
+    outputs = [tuple(torch.empty_like(t) for t in (h, sx.grad, sw.grad, w1.grad, w2.grad))
+               for _ in seeds]
+
+    def load(i):
+        x, idx, w, proj = inputs[i]
         with torch.no_grad():
             sx.copy_(x), sw.copy_(w), sidx.copy_(idx), sproj.copy_(proj)
 
-    def results():
-        return tuple(t.detach().clone() for t in (h, sx.grad, sw.grad, w1.grad, w2.grad))
+    def results(i):
+        for dst, src in zip(outputs[i], (h, sx.grad, sw.grad, w1.grad, w2.grad)):
+            dst.copy_(src.detach())
+        return outputs[i]
 
     return graph, load, results
 
@@ -363,13 +372,15 @@ def test_in_process_ranks_equal_the_reference():
             with torch.cuda.stream(torch.cuda.Stream()):
                 transports[rank].self_test()
                 with capture_lock:                 # one capture at a time
-                    graph, load, results = _captured_step(transports[rank], E, T, budget, dtype)
+                    graph, load, results = _captured_step(
+                        transports[rank], E, T, budget, dtype, [300 + i for i in range(replays)])
+                torch.cuda.current_stream().synchronize()
                 captured.wait()
                 for i in range(replays):
-                    load(300 + i)
+                    load(i)
                     graph.replay()
                     torch.cuda.current_stream().synchronize()
-                    got[rank].append(results())
+                    got[rank].append(results(i))
                 transports[rank].check()
         except BaseException as exc:        # reported below with the rank
             errors[rank] = exc

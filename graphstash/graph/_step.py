@@ -8,7 +8,9 @@ One call of a decorated training step runs one of three ways:
    graph runs forward, backward and the optimizer update;
 3. by replay then recovery: when the step's device status says *overflow* or *over budget*,
    the replayed update was skipped on the device (NOTE [update skipping]) and the same inputs
-   run again eagerly in dropless mode, applying the update once.
+   run again eagerly in dropless mode, applying the update once; a step whose stash alone
+   overflowed runs again through a new capture with the grown stash instead (NOTE [rerun by
+   capture]).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import inspect
 import threading
 import time
 import traceback
+import typing
 import warnings
 import weakref
 
@@ -53,10 +56,12 @@ class GraphStepStats:
     ``steps`` counts the steps whose update was applied (each once; NOTE [transactional
     rerun]), ``replays`` graph replays,
     ``eager_steps`` steps run eagerly on purpose (warmup, no CUDA), ``eager_reruns`` dropless
-    reruns after a flagged step, ``overflows`` / ``over_budget`` / ``host_spills`` steps whose
-    status carried that flag, ``captures`` graphs captured and ``capture_ms`` their total
-    capture time. ``status_wait_us`` is the mean host time per replay between launching the
-    graph and holding its flags (it includes waiting for the GPU to finish the step).
+    reruns after a flagged step, ``capture_reruns`` flagged replays rerun by capturing the step
+    again with the grown stash (NOTE [rerun by capture]; ``reruns`` is both),
+    ``overflows`` / ``over_budget`` / ``host_spills`` steps whose status carried that flag,
+    ``captures`` graphs captured and ``capture_ms`` their total capture time.
+    ``status_wait_us`` is the mean host time per replay between launching the graph and holding
+    its flags (it includes waiting for the GPU to finish the step).
     ``peak_memory_bytes`` is ``torch.cuda.max_memory_allocated`` of the device,
     ``stash_pages_peak`` the stash manager's device-page high-water mark (0 without one),
     ``memory_before_capture`` ``torch.cuda.memory_allocated`` just before the first capture.
@@ -68,7 +73,8 @@ class GraphStepStats:
     [budgets the step adapts]): each ran one eager step at the new sizes and recaptured.
     ``stash_growths`` counts the reruns that grew the stash (an overflow or a host spill, NOTE
     [stash growth]), ``stash_grown_ahead`` the calls that grew it before a step overflowed it
-    (NOTE [stash growth ahead]); each drops the graphs, and the next call recaptures.
+    (NOTE [stash growth ahead]); each drops the graphs, and the next call recaptures (a rerun
+    by capture recaptures in the call that grew the stash).
     """
 
     mode: str = "graph"
@@ -91,10 +97,22 @@ class GraphStepStats:
     budget_changes: int = 0
     stash_growths: int = 0
     stash_grown_ahead: int = 0
+    capture_reruns: int = 0
+
+    @property
+    def reruns(self) -> int:
+        """Flagged steps run again, eagerly or by capture: ``eager_reruns + capture_reruns``."""
+        return self.eager_reruns + self.capture_reruns
 
     def as_dict(self) -> dict:
         """The counters as a plain ``dict`` (for logging or JSON)."""
         return dataclasses.asdict(self)
+
+
+class _RerunByCapture(typing.NamedTuple):
+    """What a flagged replay returns to its caller for NOTE [rerun by capture]: the step's
+    peaks (NOTE [step peaks])."""
+    peaks: list
 
 
 class _StepCalledError(ValueError):
@@ -607,7 +625,11 @@ class GraphStep:
             entry = self._capture(sig, leaves, spec, args, kwargs)
         else:
             self._graphs[sig] = self._graphs.pop(sig)     # most recently used last
-        return self._replay(entry, leaves, args, kwargs)
+        out = self._replay(entry, leaves, args, kwargs)
+        if isinstance(out, _RerunByCapture):
+            del entry               # the flagged graph's memory goes first (NOTE [rerun by capture])
+            return self._rerun_by_capture(sig, leaves, spec, args, kwargs, out.peaks)
+        return out
 
     def _refuse_nesting(self) -> None:
         running = getattr(_RUNNING, "steps", None)
@@ -1184,7 +1206,10 @@ class GraphStep:
         self._zero_grad()
 
     # ---- replay -------------------------------------------------------------------------
-    def _replay(self, entry: _Graph, leaves, args, kwargs):
+    def _replay(self, entry: _Graph, leaves, args, kwargs, *, by_capture: bool = True):
+        """Replay ``entry`` on ``leaves``; a flagged replay is rerun eagerly, or, where NOTE
+        [rerun by capture] applies and ``by_capture``, returns a :class:`_RerunByCapture` for
+        the caller, which drops its own reference to ``entry`` first."""
         entry.inputs.stage(leaves)
         if self._hyper is not None:
             self._hyper.write()              # NOTE [scheduled hyperparameters]
@@ -1206,6 +1231,8 @@ class GraphStep:
         self._count_flags(overflow, spill, over_budget)
         if overflow or over_budget:
             self._restore_rng(saved_rng)
+            if by_capture and self._reruns_by_capture(overflow, over_budget):
+                return _RerunByCapture(peaks)
             return self._rerun(args, kwargs, (overflow, spill, over_budget), regraph=True,
                                peaks=peaks, finish=functools.partial(self._rerun_outputs, entry),
                                entry=entry)
@@ -1215,6 +1242,36 @@ class GraphStep:
         if self._outputs_mode == "static":
             return entry.outputs
         return S.clone_tree(entry.outputs)
+
+    # NOTE [rerun by capture]: a replay whose stash overflowed (and whose dispatch kept every
+    # row) is not rerun eagerly. The stash grows (or steps aside: NOTE [growth to the need] in
+    # graphstash/stash/plan.py) and the graphs would be recaptured at the next call anyway; the
+    # rerun is that capture, made now, on the same inputs, and its replay. An eager step holds
+    # more than a captured one: under drifting routing on two H100s (qwen3-30b-a3b widths,
+    # capacity factor 2.0) the stash row's one eager rerun peaked at 8560 MiB of activation,
+    # its pages released, against 4383 for the same row without the stash, which never
+    # reran (docs/exchange.md, "Rows the stash keeps"): the rerun, not the stash, set the
+    # row's peak. The flagged graph and its gradients are dropped before the stash grows and
+    # the step is captured again, so the rerun's peak is a capture's. The replay is the step's one update (NOTE [transactional
+    # rerun]); the random state is the flagged replay's, restored. If that replay overflows
+    # too, the eager dropless rerun follows as before (a count out of range, which no stash
+    # fixes, shares the overflow flag). A step over a dispatch budget reruns eagerly
+    # (dropless: no graph can hold its rows), and so does every flagged step with
+    # ``on_overflow`` (it may change what a graph bakes) and without CUDA (NOTE [same
+    # contract on the CPU]: there is nothing to capture). Every rank reads the same reduced
+    # flags and takes the same branch.
+    def _reruns_by_capture(self, overflow: int, over_budget: int) -> bool:
+        return (bool(overflow) and not over_budget and self._manager is not None
+                and self._on_overflow is None)
+
+    def _rerun_by_capture(self, sig, leaves, spec, args, kwargs, peaks):
+        """NOTE [rerun by capture]: grow the stash, capture the step again and replay it."""
+        self._stats.capture_reruns += 1
+        self.step_status.deliver_peaks(peaks, flagged=True)   # the stash's fill, before it grows
+        self._drop_graphs()
+        self._grow_budget(overflowed=True)
+        entry = self._capture(sig, leaves, spec, args, kwargs)
+        return self._replay(entry, leaves, args, kwargs, by_capture=False)
 
     def _rerun_outputs(self, entry: _Graph, out):
         """What a call returns after a rerun: the static outputs overwritten, or copies."""
@@ -1273,7 +1330,9 @@ def graph_step(fn=None, **options):
     device status once (NOTE [status readback]); when it says overflow or over budget, the
     update was skipped on the device (NOTE [update skipping]), the same inputs run again
     eagerly under :func:`graphstash.dropless`, the update is applied once, the stash budget
-    grows by ``budget_growth`` and the next call recaptures. Without CUDA every call runs
+    grows by ``budget_growth`` and the next call recaptures; where only the stash overflowed,
+    the stash grows and the same inputs run again through a new capture of the step (NOTE
+    [rerun by capture]). Without CUDA every call runs
     eagerly (one warning says so) with the same ``stats``.
 
     Args:
@@ -1307,7 +1366,8 @@ def graph_step(fn=None, **options):
             update and the adaptive dispatch budgets grew (NOTE [budgets the step adapts]; it
             may set budgets itself, ``model.budgets.set_factor(...)``); returning ``False``
             vetoes the growth (the budgets are restored as they were before the step); graphs
-            are recaptured afterwards. If it raises, the call raises
+            are recaptured afterwards. With it, every flagged step reruns eagerly (NOTE [rerun
+            by capture] says when one without it does not). If it raises, the call raises
             :class:`graphstash.UpdateAppliedError` (the update was applied: do not retry the
             batch).
         generators: extra CUDA ``torch.Generator`` objects the step draws from (a list or

@@ -153,7 +153,7 @@ def _train(mode: str, config: MoEConfig, dev, dtype, batches, steps: int, seed: 
     if graphed:
         st = train_step.stats
         result.update(overflows=st.overflows, over_budget=st.over_budget,
-                      reruns=st.eager_reruns, replays=st.replays, spill_steps=st.host_spills,
+                      reruns=st.reruns, replays=st.replays, spill_steps=st.host_spills,
                       pages=_stash_pages(run_.stash_manager))
     run_.release()
     return result
@@ -169,6 +169,8 @@ def _what_ran(before, after, on_gpu: bool) -> str:
         return "eager"
     if after.eager_reruns > before.eager_reruns:
         return "over budget or overflow: rerun eagerly, dropless"
+    if after.capture_reruns > before.capture_reruns:
+        return "stash overflow: captured again with a grown stash, replayed"
     if after.captures > before.captures:
         return "captured and replayed"
     if after.replays > before.replays:

@@ -8,15 +8,21 @@ process (docs/exchange.md has the measurement; ``benchmarks/probes/exchange_late
 it). Correct, and what the multi-process tests use, but slow. For speed on one GPU the same
 kernels run for W ranks in one process, one CUDA stream and one host thread per rank, so their
 kernels run side by side. Each rank issues its exchanges from its own thread: a barrier waits
-on the device for the other ranks' kernels, which only their threads launch. Two things must
-not block a thread's host while its exchange is in flight: a device-wide synchronize
+on the device for the other ranks' kernels, which only their threads launch. Three things must
+not block a thread's host while an exchange is in flight: a device-wide synchronize
 (``torch.cuda.synchronize``, which ``torch.cuda.graph`` calls on entry: capture with
 ``capture_begin`` on a side stream, or ``graph_step(release_warmup_cache=False)`` as NOTE
 [in-process bench ranks] does), and a host read inside backward (autograd runs every
 rank's CUDA backward on one device thread, so one rank blocked there stalls the others'
 backward, and with it its own exchange): capture the step and replay it, or run experts whose
 backward reads nothing back (bf16 on Hopper; an fp32 ``grouped_mm`` copies its offsets to the
-host).
+host); and a device allocation the caching allocator cannot serve from its cache (each
+thread's stream has its own): when ``cudaMalloc`` fails it frees its cached blocks, and
+``cudaFree`` waits for the whole device, a peer's spinning barrier included. Once in a GPU
+test suite run (15 other test processes on the GPU) rank 1 did not reach the self test's first
+barrier in 60 s while rank 0 spun in it; such an allocation is the likely cause, not a proven
+one. So a transport makes its self test's tensors when it is built, and a thread should
+allocate what it needs before its exchanges start (a captured step allocates nothing).
 """
 from __future__ import annotations
 

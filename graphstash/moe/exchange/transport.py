@@ -81,6 +81,13 @@ class Transport:
         self._offsets = layout.offsets()
         self.closed = False
         self.push_blocks = 0
+        # the self test's device tensors, made here: a rank must not allocate while a peer's
+        # barrier spins (NOTE [in-process ranks] in local.py)
+        W = world_size
+        self._test_src = torch.zeros(W, 4, dtype=torch.int32, device=self.device)
+        self._test_peers = torch.arange(W, dtype=torch.int32, device=self.device)
+        self._test_rows = torch.full((W,), rank, dtype=torch.int32, device=self.device)
+        self._test_count = torch.tensor([W], dtype=torch.int32, device=self.device)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(kind={self.kind!r}, rank={self.rank}, "
@@ -260,14 +267,14 @@ class Transport:
             raise ValueError(f"self_test: needs capacity_rows >= {W} and row_bytes >= 16, got "
                              f"{self.capacity_rows} and {self.row_bytes}")
         stamp = 0x5E1F0000
-        peers = torch.arange(W, dtype=torch.int32, device=self.device)
-        src = torch.stack([torch.full((W,), self.rank, dtype=torch.int32), peers.cpu(),
+        src = torch.stack([torch.full((W,), self.rank, dtype=torch.int32),
+                           torch.arange(W, dtype=torch.int32),
                            torch.full((W,), stamp, dtype=torch.int32),
-                           torch.full((W,), W, dtype=torch.int32)], 1).to(self.device)
-        rows = torch.full((W,), self.rank, dtype=torch.int32, device=self.device)
-        count = torch.tensor([W], dtype=torch.int32, device=self.device)
+                           torch.full((W,), W, dtype=torch.int32)], 1)
+        self._test_src.copy_(src)
         self.barrier()
-        self.push(X.XF_ROWS, src, None, peers, rows, count, 0, W)
+        self.push(X.XF_ROWS, self._test_src, None, self._test_peers, self._test_rows,
+                  self._test_count, 0, W)
         self.barrier()
         got = self.field_view(X.XF_ROWS, torch.int32, 4, W).cpu()
         self.barrier()

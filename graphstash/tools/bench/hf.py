@@ -329,7 +329,7 @@ def run_one(c: HFBenchConfig, name: str, device, data: list, *,
         result["activation_peak_mib"] = None if peak is None else (peak - static) / 2**20
         if spec.graphed:
             st = step.stats
-            result.update(replays=st.replays, captures=st.captures, reruns=st.eager_reruns,
+            result.update(replays=st.replays, captures=st.captures, reruns=st.reruns,
                           over_budget=st.over_budget)
     if spec.graphed and step is not None:
         try:

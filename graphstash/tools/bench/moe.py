@@ -231,7 +231,7 @@ def run_mode(mode: str, config: MoEConfig, group, device, batches: list, steps: 
     s = spread(samples)
     figures = [statistics.median(samples), sent[0] / 2**20,
                float(stats.over_budget if stats else 0), float(stats.overflows if stats else 0),
-               float(stats.eager_reruns if stats else 0), s["min"], s["q1"], s["q3"], s["max"],
+               float(stats.reruns if stats else 0), s["min"], s["q1"], s["q3"], s["max"],
                float(recaptures(stats, device))]
     if peak is not None:
         figures += [peak / 2**20, (peak - static) / 2**20]

@@ -431,7 +431,7 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
         statistics.median(samples), peak / share / MIB, (peak - static) / share / MIB,
         moved["sent"] / MIB, moved["local"] / MIB, moved["meta"] / 1024,
         stats.over_budget if stats else 0, stats.overflows if stats else 0,
-        stats.eager_reruns if stats else 0, s["min"], s["q1"], s["q3"], s["max"],
+        stats.reruns if stats else 0, s["min"], s["q1"], s["q3"], s["max"],
         moe_setup.recaptures(stats, device), stashed, -stashed])   # -: the fewest
     (step_ms, peak_mib, act_mib, sent_mib, local_mib, meta_kib, over_budget, overflow,
      reruns) = figures[:9]

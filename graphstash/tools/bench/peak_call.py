@@ -5,7 +5,8 @@ a row that reran or recaptured once can have its peak set by that one call (an e
 beside the captured step's memory, under drifting routing: docs/exchange.md, "Drifting
 routing"). The bench reads the allocator's running peak after each call (host-side, no sync)
 and keeps the first call that reached the highest value, with what the step's stats say the
-call did: ``"rerun"`` (the step was flagged and rerun dropless), ``"capture"`` (a graph was
+call did: ``"rerun"`` (the step was flagged and rerun: dropless, or by a new capture:
+NOTE [rerun by capture] in ``graphstash/graph/_step.py``), ``"capture"`` (a graph was
 captured), ``"call"`` (a replay, or a row without ``graph_step``). Across ranks, the rank with
 the highest peak names the call.
 
@@ -43,7 +44,7 @@ class PeakCalls:
 
     def _read_counts(self) -> tuple:
         stats = self._graph.stats if self._graph is not None else None
-        return (stats.eager_reruns, stats.captures) if stats is not None else (0, 0)
+        return (stats.reruns, stats.captures) if stats is not None else (0, 0)
 
     def after_call(self) -> None:
         """Tell it one call ended (outside any timed region: reads the stats)."""
