@@ -14,6 +14,7 @@ import graphstash
 from graphstash import _layout as L
 from graphstash.errors import CaptureError
 from graphstash.graph import graph_step, live_graphs
+from graphstash.status import claim_peak_slot, raise_peak
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -388,7 +389,11 @@ def test_static_outputs_are_the_same_tensors():
     assert outs[1] is outs[2] is outs[3]
 
 
-def test_stash_overflow_grows_budget_and_matches_eager():
+def _overflowing_stash_run(owner=None):
+    """12 calls of a 4-layer step whose stash starts at 0.2 of its demand, each call's loss and
+    every gradient checked against an eager loop's; with ``owner`` (a step-peak owner), the
+    step raises its peak every call. Returns ``(stats, released_in_reruns)``: whether the
+    stash's pages were released during each eager rerun."""
     stash = pytest.importorskip("graphstash.stash")
     if not hasattr(stash, "stash_activations"):
         pytest.skip("graphstash.stash has no stash_activations")
@@ -398,6 +403,7 @@ def test_stash_overflow_grows_budget_and_matches_eager():
     opt, ref_opt = OPTIMIZERS["adamw_fused"](model.parameters()), OPTIMIZERS["adamw_fused"](ref.parameters())
     data = _batches(12, batch=512)
     tokens = torch.tensor([512], dtype=torch.int32, device="cuda")
+    one = torch.ones((), dtype=torch.int32, device="cuda")
     released_in_reruns = []
 
     @graph_step(optimizer=opt, warmup=1,
@@ -417,6 +423,8 @@ def test_stash_overflow_grows_budget_and_matches_eager():
                 h = model.dropout(torch.relu(layer(h)))
         loss = torch.nn.functional.mse_loss(h, y)
         loss.backward()
+        if owner is not None:
+            raise_peak(graphstash.status.current().peaks, owner.slot, one)
         if graphstash.is_dropless():                 # NOTE [rerun memory]
             released_in_reruns.append(stash.current_manager().released)
         return loss
@@ -436,6 +444,14 @@ def test_stash_overflow_grows_budget_and_matches_eager():
     _compare(model, opt, ref, ref_opt)
     st = train_step.stats
     assert st.stash_pages_peak > 0, "the captured steps never stashed"
+    assert not train_step.stash_manager.released
+    assert not train_step.stash_manager.read_status()["overflow"]
+    assert int(opt.state[next(model.parameters())]["step"]) == 12     # every update once
+    return st, released_in_reruns
+
+
+def test_stash_overflow_grows_budget_and_matches_eager():
+    st, released_in_reruns = _overflowing_stash_run()
     # device_factor 0.2 -> 0.3 -> 0.45 -> 0.675 of the demand overflow. An overflowed replay
     # grows the stash and reruns by a new capture and its replay (NOTE [rerun by capture]);
     # when that replay overflows too, it reruns dropless, grows the stash again and the next
@@ -443,11 +459,41 @@ def test_stash_overflow_grows_budget_and_matches_eager():
     assert st.capture_reruns >= 1, st
     assert st.overflows >= 2 and st.eager_reruns + st.capture_reruns == st.overflows, st
     assert st.captures == st.overflows + 1 and st.replays == 11 + st.capture_reruns, st
-    # every rerun ran with the stash's pages released, and they came back after it
+    # every eager rerun ran with the stash's pages released, and they came back after it
     assert released_in_reruns == [True] * st.eager_reruns, released_in_reruns
-    assert not train_step.stash_manager.released
-    assert not train_step.stash_manager.read_status()["overflow"]
-    assert int(opt.state[next(model.parameters())]["step"]) == 12     # every update once
+
+
+class _MovingOwner:
+    """A step-peak owner (graphstash.status.PeakOwner) whose version moves whenever a flagged
+    step's peaks reach it, as an adaptive budget that shrinks right then would."""
+
+    def __init__(self):
+        self.version = 0
+        self.flagged = 0
+        self.slot = claim_peak_slot(self, "rows")
+
+    def observe(self, peaks, *, flagged):
+        if flagged:
+            self.flagged += 1
+            self.version += 1
+
+    def state_dict(self):
+        return {"version": self.version, "flagged": self.flagged}
+
+    def load_state_dict(self, state):
+        self.version, self.flagged = state["version"], state["flagged"]
+
+
+def test_stash_overflow_reruns_eagerly_when_its_peaks_move_a_budget():
+    """NOTE [rerun by capture]: when the peaks of a replay whose stash overflowed change what
+    a graph bakes in, the rerun is the eager one (new sizes run one eager step first), and
+    the next call runs that eager step and recaptures (NOTE [budgets the step adapts])."""
+    owner = _MovingOwner()
+    st, released_in_reruns = _overflowing_stash_run(owner)
+    assert st.overflows >= 2 and st.capture_reruns == 0, st
+    assert st.eager_reruns == st.overflows == owner.flagged, (st, owner.flagged)
+    assert st.budget_changes == st.overflows, st
+    assert released_in_reruns == [True] * st.eager_reruns, released_in_reruns
 
 
 # ---- every GPU of the machine, one rank each (2, 4 or 8: _world.WORLD_SIZE) --------------

@@ -110,8 +110,9 @@ class GraphStepStats:
 
 
 class _RerunByCapture(typing.NamedTuple):
-    """What a flagged replay returns to its caller for NOTE [rerun by capture]: the step's
-    peaks (NOTE [step peaks])."""
+    """What a flagged replay returns to its caller for NOTE [rerun by capture]: its flags
+    (overflow, host spill, over budget) and the step's peaks (NOTE [step peaks])."""
+    flags: tuple
     peaks: list
 
 
@@ -628,7 +629,7 @@ class GraphStep:
         out = self._replay(entry, leaves, args, kwargs)
         if isinstance(out, _RerunByCapture):
             del entry               # the flagged graph's memory goes first (NOTE [rerun by capture])
-            return self._rerun_by_capture(sig, leaves, spec, args, kwargs, out.peaks)
+            return self._rerun_by_capture(sig, leaves, spec, args, kwargs, out)
         return out
 
     def _refuse_nesting(self) -> None:
@@ -715,9 +716,8 @@ class GraphStep:
                 self._drop_graphs()
             self._manager.grow(self._budget_growth)
             self._stats.stash_grown_ahead += 1
-        changed = False
-        for key, (version, first) in self.step_status.owner_versions().items():
-            changed |= version != self._versions_baked.get(key, first)
+        changed = self._owners_changed()
+        for key, (version, _) in self.step_status.owner_versions().items():
             self._versions_baked[key] = version
         if not changed:
             return
@@ -727,6 +727,12 @@ class GraphStep:
             self._drop_graphs()
         # eager: a compiled model recompiles for the new sizes here, never inside a capture
         self._eager_pending = max(self._eager_pending, 1)
+
+    def _owners_changed(self) -> bool:
+        """Whether a peak owner's version moved since the graphs baked it in (NOTE [budgets
+        the step adapts])."""
+        return any(version != self._versions_baked.get(key, first)
+                   for key, (version, first) in self.step_status.owner_versions().items())
 
     def _check_hyperparameters(self) -> None:
         """NOTE [scheduled hyperparameters]: adopt changed lrs as device tensors; a changed
@@ -984,14 +990,15 @@ class GraphStep:
         self._stats.over_budget += bool(over_budget)
 
     def _rerun(self, args, kwargs, flags: tuple, *, regraph: bool, peaks=(),
-               finish=S.detach_tree, entry: _Graph | None = None):
+               finish=S.detach_tree, entry: _Graph | None = None, delivered: bool = False):
         """Rerun a flagged step eagerly in dropless mode, grow the budget, apply its update.
 
         ``finish`` turns the step's outputs into what the call returns; it runs before the
         update (NOTE [transactional rerun]). ``peaks`` are the flagged step's (NOTE [step
         peaks]): the adaptive budgets grow from them (NOTE [budgets the step adapts]).
         ``entry``: the replayed graph, whose gradient tensors the rerun writes (NOTE
-        [gradients]).
+        [gradients]). ``delivered``: the peaks were handed over already (NOTE [rerun by
+        capture]), and there is no ``on_overflow`` to veto them.
         """
         self._stats.eager_reruns += 1
         self._zero_grad()
@@ -1007,8 +1014,10 @@ class GraphStep:
                 self._manager.reallocate()
         self._clear_flags()
         status = self.step_status
-        before = [(owner, owner.state_dict()) for owner, _ in status.raised_peaks(peaks)]
-        status.deliver_peaks(peaks, flagged=True)   # the stash's fill, before it grows
+        before = [] if delivered else [(owner, owner.state_dict())
+                                       for owner, _ in status.raised_peaks(peaks)]
+        if not delivered:
+            status.deliver_peaks(peaks, flagged=True)   # the stash's fill, before it grows
         grown = self._grow_budget(overflowed=bool(flags[0] or flags[1]))
         out = finish(out)
         self._apply_update()
@@ -1232,7 +1241,7 @@ class GraphStep:
         if overflow or over_budget:
             self._restore_rng(saved_rng)
             if by_capture and self._reruns_by_capture(overflow, over_budget):
-                return _RerunByCapture(peaks)
+                return _RerunByCapture((overflow, spill, over_budget), peaks)
             return self._rerun(args, kwargs, (overflow, spill, over_budget), regraph=True,
                                peaks=peaks, finish=functools.partial(self._rerun_outputs, entry),
                                entry=entry)
@@ -1258,16 +1267,24 @@ class GraphStep:
     # fixes, shares the overflow flag). A step over a dispatch budget reruns eagerly
     # (dropless: no graph can hold its rows), and so does every flagged step with
     # ``on_overflow`` (it may change what a graph bakes) and without CUDA (NOTE [same
-    # contract on the CPU]: there is nothing to capture). Every rank reads the same reduced
-    # flags and takes the same branch.
+    # contract on the CPU]: there is nothing to capture). So does a step whose peaks changed
+    # something a graph bakes in (an adaptive budget that shrank as they were handed over):
+    # those sizes first run one eager step (NOTE [budgets the step adapts]), which the eager
+    # rerun is. Every rank reads the same reduced flags and peaks and takes the same branch.
     def _reruns_by_capture(self, overflow: int, over_budget: int) -> bool:
         return (bool(overflow) and not over_budget and self._manager is not None
                 and self._on_overflow is None)
 
-    def _rerun_by_capture(self, sig, leaves, spec, args, kwargs, peaks):
-        """NOTE [rerun by capture]: grow the stash, capture the step again and replay it."""
+    def _rerun_by_capture(self, sig, leaves, spec, args, kwargs, flagged: _RerunByCapture):
+        """NOTE [rerun by capture]: grow the stash, capture the step again and replay it; or
+        the eager rerun, where the peaks changed what a graph bakes in."""
+        self.step_status.deliver_peaks(flagged.peaks, flagged=True)   # the fill, before growth
+        if self._owners_changed():
+            entry = self._graphs[sig]
+            return self._rerun(args, kwargs, flagged.flags, regraph=True, peaks=flagged.peaks,
+                               finish=functools.partial(self._rerun_outputs, entry),
+                               entry=entry, delivered=True)
         self._stats.capture_reruns += 1
-        self.step_status.deliver_peaks(peaks, flagged=True)   # the stash's fill, before it grows
         self._drop_graphs()
         self._grow_budget(overflowed=True)
         entry = self._capture(sig, leaves, spec, args, kwargs)
