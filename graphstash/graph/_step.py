@@ -628,7 +628,7 @@ class GraphStep:
             self._graphs[sig] = self._graphs.pop(sig)     # most recently used last
         out = self._replay(entry, leaves, args, kwargs)
         if isinstance(out, _RerunByCapture):
-            del entry               # the flagged graph's memory goes first (NOTE [rerun by capture])
+            del entry           # the flagged graph's memory goes first (NOTE [rerun by capture])
             return self._rerun_by_capture(sig, leaves, spec, args, kwargs, out)
         return out
 
@@ -1257,20 +1257,20 @@ class GraphStep:
     # graphstash/stash/plan.py) and the graphs would be recaptured at the next call anyway; the
     # rerun is that capture, made now, on the same inputs, and its replay. An eager step holds
     # more than a captured one: under drifting routing on two H100s (qwen3-30b-a3b widths,
-    # capacity factor 2.0) the stash row's one eager rerun peaked at 8560 MiB of activation,
-    # its pages released, against 4383 for the same row without the stash, which never
-    # reran (docs/exchange.md, "Rows the stash keeps"): the rerun, not the stash, set the
-    # row's peak. The flagged graph and its gradients are dropped before the stash grows and
-    # the step is captured again, so the rerun's peak is a capture's. The replay is the step's one update (NOTE [transactional
-    # rerun]); the random state is the flagged replay's, restored. If that replay overflows
-    # too, the eager dropless rerun follows as before (a count out of range, which no stash
-    # fixes, shares the overflow flag). A step over a dispatch budget reruns eagerly
-    # (dropless: no graph can hold its rows), and so does every flagged step with
-    # ``on_overflow`` (it may change what a graph bakes) and without CUDA (NOTE [same
-    # contract on the CPU]: there is nothing to capture). So does a step whose peaks changed
-    # something a graph bakes in (an adaptive budget that shrank as they were handed over):
-    # those sizes first run one eager step (NOTE [budgets the step adapts]), which the eager
-    # rerun is. Every rank reads the same reduced flags and peaks and takes the same branch.
+    # capacity factor 2.0) the stash row's one eager rerun peaked at 8560 MiB of activation, its
+    # pages released, against 4383 for the same row without the stash, which never reran
+    # (docs/exchange.md, "Rows the stash keeps"): the rerun, not the stash, set the row's peak.
+    # The flagged graph and its gradients are dropped before the stash grows and the step is
+    # captured again, so the rerun's peak is a capture's. The replay is the step's one update
+    # (NOTE [transactional rerun]); the random state is the flagged replay's, restored. If that
+    # replay overflows too, the eager dropless rerun follows as before (a count out of range,
+    # which no stash fixes, shares the overflow flag). A step over a dispatch budget reruns
+    # eagerly (dropless: no graph can hold its rows), and so does every flagged step with
+    # ``on_overflow`` (it may change what a graph bakes) and without CUDA (NOTE [same contract
+    # on the CPU]: there is nothing to capture). So does a step whose peaks changed something a
+    # graph bakes in (an adaptive budget that shrank as they were handed over): those sizes
+    # first run one eager step (NOTE [budgets the step adapts]), which the eager rerun is. Every
+    # rank reads the same reduced flags and peaks and takes the same branch.
     def _reruns_by_capture(self, overflow: int, over_budget: int) -> bool:
         return (bool(overflow) and not over_budget and self._manager is not None
                 and self._on_overflow is None)
