@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from _peak_owner import MovingOwner
 
 import graphstash
 from graphstash import _layout as L
@@ -15,6 +16,7 @@ from graphstash.errors import ReleasedError
 from graphstash.graph import DeviceUpdate, GraphStep, check_optimizer, graph_step
 from graphstash.graph import _staging as S
 from graphstash.graph.capture_errors import describe as describe_capture_failure
+from graphstash.status import raise_peak
 
 
 class FlaggingMLP(torch.nn.Module):
@@ -200,8 +202,9 @@ def test_microbatches_accumulate_and_update_once(gen):
     assert int(opt.state[next(model.parameters())]["step"]) == len(steps)
 
 
-def _stash_step(stash, model, tokens, config, *, per_layer):
-    """A step whose layers run inside stash groups: one per layer, or one around them all."""
+def _stash_step(stash, model, tokens, config, *, per_layer, probe=None):
+    """A step whose layers run inside stash groups: one per layer, or one around them all;
+    ``probe()`` runs after its backward."""
 
     def step(x, y):
         h = x
@@ -214,13 +217,18 @@ def _stash_step(stash, model, tokens, config, *, per_layer):
                 h = model(h)
         loss = torch.nn.functional.mse_loss(h, y)
         loss.backward()
+        if probe is not None:
+            probe()
         return loss
 
     return GraphStep(step, optimizer=model.opt, warmup=1, device="cpu", stash=config)
 
 
-def test_stash_overflow_reruns_grows_budget_and_matches_eager(gen):
-    """A tiny stash budget overflows; each flagged step reruns dropless and updates once."""
+def _overflowing_stash(gen, owner=None):
+    """10 calls of a step whose stash starts at 0.2 of its demand, the losses and the state
+    equal to an eager loop's; with ``owner`` (a step-peak owner) the step raises its peak.
+    Returns ``(train_step, config, opt, runs)``: ``runs`` has ``(dropless, pages released)``
+    for every run of the step function past the warmup."""
     stash = pytest.importorskip("graphstash.stash")
     model, opt, ref, ref_opt = _make_pair(OPTIMIZERS["adamw"])
     model.opt = opt
@@ -228,20 +236,53 @@ def test_stash_overflow_reruns_grows_budget_and_matches_eager(gen):
     tokens = torch.tensor([256], dtype=torch.int32)
     config = stash.StashConfig(page_size=32, device_factor=0.2, host_tier=False,
                                min_tensor_bytes=0, backend="reference")
-    train_step = _stash_step(stash, model, tokens, config, per_layer=True)
+    runs, one = [], torch.ones((), dtype=torch.int32)
+
+    def probe():
+        if owner is not None:
+            raise_peak(graphstash.status.current().peaks, owner.slot, one)
+        runs.append((graphstash.is_dropless(), stash.current_manager().released))
+
+    train_step = _stash_step(stash, model, tokens, config, per_layer=True, probe=probe)
     with pytest.warns(RuntimeWarning):
         losses = [train_step(x, y) for x, y in zip(xs, ys)]
     ref_losses = _eager_reference(ref, ref_opt, xs, ys)
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     _assert_same_state(opt, ref_opt, model, ref)
+    assert int(opt.state[next(model.parameters())]["step"]) == 10
+    return train_step, config, runs
+
+
+def test_stash_overflow_reruns_grows_budget_and_matches_eager(gen):
+    """A tiny stash budget overflows; each flagged step runs again with a grown stash (NOTE
+    [rerun by capture]) or dropless, and updates once."""
+    train_step, config, runs = _overflowing_stash(gen)
     st = train_step.stats
     # layers 0 and 1 are stashed (2 saved [256, 16] tensors each, 8 pages apiece: 32 pages),
-    # the last one is kept; 0.2, 0.3, 0.45, 0.675 of that overflow, 1.0125 fits
+    # the last one is kept; 0.2, 0.3, 0.45, 0.675 of that overflow, 1.0125 fits. A call that
+    # overflowed runs again with the grown stash, as a replay would be recaptured (NOTE [rerun
+    # by capture]), and when that overflows too, reruns dropless: 0.2 -> 0.3 -> dropless,
+    # 0.45 -> 0.675 -> dropless
     assert st.stash_pages_peak == 32
-    assert (st.overflows, st.eager_reruns, st.steps) == (4, 4, 10)
+    assert (st.overflows, st.capture_reruns, st.eager_reruns, st.steps) == (4, 2, 2, 10), st
     assert train_step.stash_manager.config.device_factor == pytest.approx(0.2 * 1.5 ** 4)
     assert config.device_factor == 0.2                  # grown in a copy, not in place
-    assert int(opt.state[next(model.parameters())]["step"]) == 10
+    # the pages are released while a dropless rerun runs, and only then (NOTE [rerun memory])
+    assert [dropless for dropless, _ in runs].count(True) == st.eager_reruns, runs
+    assert all(released == dropless for dropless, released in runs), runs
+
+
+def test_stash_overflow_reruns_dropless_when_its_peaks_move_a_budget(gen):
+    """NOTE [rerun by capture]: when the peaks of a step whose stash overflowed change what a
+    graph bakes in, the rerun is the dropless one, and the next call is the eager step at the
+    new sizes (NOTE [budgets the step adapts]). The same as tests/test_graph_gpu.py's."""
+    owner = MovingOwner()
+    train_step, _, runs = _overflowing_stash(gen, owner)
+    st = train_step.stats
+    assert st.overflows >= 2 and st.capture_reruns == 0, st
+    assert st.eager_reruns == st.overflows == owner.flagged, (st, owner.flagged)
+    assert st.budget_changes == st.overflows, st
+    assert [dropless for dropless, _ in runs].count(True) == st.eager_reruns, runs
 
 
 def test_stash_config_shared_by_two_steps_is_not_grown_by_one(gen):

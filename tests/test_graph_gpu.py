@@ -9,12 +9,13 @@ import os
 
 import pytest
 import torch
+from _peak_owner import MovingOwner
 
 import graphstash
 from graphstash import _layout as L
 from graphstash.errors import CaptureError
 from graphstash.graph import graph_step, live_graphs
-from graphstash.status import claim_peak_slot, raise_peak
+from graphstash.status import raise_peak
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -463,32 +464,11 @@ def test_stash_overflow_grows_budget_and_matches_eager():
     assert released_in_reruns == [True] * st.eager_reruns, released_in_reruns
 
 
-class _MovingOwner:
-    """A step-peak owner (graphstash.status.PeakOwner) whose version moves whenever a flagged
-    step's peaks reach it, as an adaptive budget that shrinks right then would."""
-
-    def __init__(self):
-        self.version = 0
-        self.flagged = 0
-        self.slot = claim_peak_slot(self, "rows")
-
-    def observe(self, peaks, *, flagged):
-        if flagged:
-            self.flagged += 1
-            self.version += 1
-
-    def state_dict(self):
-        return {"version": self.version, "flagged": self.flagged}
-
-    def load_state_dict(self, state):
-        self.version, self.flagged = state["version"], state["flagged"]
-
-
 def test_stash_overflow_reruns_eagerly_when_its_peaks_move_a_budget():
     """NOTE [rerun by capture]: when the peaks of a replay whose stash overflowed change what
     a graph bakes in, the rerun is the eager one (new sizes run one eager step first), and
     the next call runs that eager step and recaptures (NOTE [budgets the step adapts])."""
-    owner = _MovingOwner()
+    owner = MovingOwner()
     st, released_in_reruns = _overflowing_stash_run(owner)
     assert st.overflows >= 2 and st.capture_reruns == 0, st
     assert st.eager_reruns == st.overflows == owner.flagged, (st, owner.flagged)
@@ -554,7 +534,6 @@ def _rank_main(rank, world, store, results):
 def test_ranks_rerun_together(tmp_path):
     """Only rank 0 flags steps; every rank reruns them with it and all end identical."""
     import torch.multiprocessing as mp
-
     from _world import WORLD_SIZE, require_gpus
 
     require_gpus(WORLD_SIZE)

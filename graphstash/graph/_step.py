@@ -57,7 +57,8 @@ class GraphStepStats:
     rerun]), ``replays`` graph replays,
     ``eager_steps`` steps run eagerly on purpose (warmup, no CUDA), ``eager_reruns`` dropless
     reruns after a flagged step, ``capture_reruns`` flagged replays rerun by capturing the step
-    again with the grown stash (NOTE [rerun by capture]; ``reruns`` is both),
+    again with the grown stash (without CUDA: run again eagerly with it; NOTE [rerun by
+    capture]; ``reruns`` is both),
     ``overflows`` / ``over_budget`` / ``host_spills`` steps whose status carried that flag,
     ``captures`` graphs captured and ``capture_ms`` their total capture time.
     ``status_wait_us`` is the mean host time per replay between launching the graph and holding
@@ -819,7 +820,7 @@ class GraphStep:
         steps = self._stats.steps
         try:
             with self._compiles_refused(not first):
-                out = self._eager_step(static_args, static_kwargs)
+                out = self._eager_step(static_args, static_kwargs, by_capture=not first)
         except RuntimeError as exc:
             if not first and compile_guard.is_refusal(exc):
                 raise capture_errors.capture_error(exc, self._name, eager=True) from exc
@@ -932,8 +933,10 @@ class GraphStep:
             else:
                 gen.set_offset(value)
 
-    def _eager_step(self, args, kwargs, *, side_stream: bool = False):
-        """One guarded eager step: run, read the flags, rerun dropless if flagged, update once."""
+    def _eager_step(self, args, kwargs, *, side_stream: bool = False, by_capture: bool = False):
+        """One guarded eager step: run, read the flags, rerun dropless if flagged, update once.
+        ``by_capture``: the step stands for a replay (NOTE [same contract on the CPU]), so a
+        stash overflow runs it again with the grown stash instead (NOTE [rerun by capture])."""
         if side_stream:
             stream, current = self._capture_stream, torch.cuda.current_stream(self.device)
             stream.wait_stream(current)
@@ -950,8 +953,13 @@ class GraphStep:
         self._count_flags(overflow, spill, over_budget)
         if overflow or over_budget:
             self._restore_rng(saved_rng)
-            return self._rerun(args, kwargs, (overflow, spill, over_budget), regraph=False,
-                               peaks=reduced[3:])
+            flags, peaks = (overflow, spill, over_budget), reduced[3:]
+            if by_capture and self._reruns_by_capture(overflow, over_budget):
+                if self._grow_for_rerun_by_capture(peaks):
+                    return self._eager_step(args, kwargs)     # as the new graph's replay
+                return self._rerun(args, kwargs, flags, regraph=False, peaks=peaks,
+                                   delivered=True)
+            return self._rerun(args, kwargs, flags, regraph=False, peaks=peaks)
         out = S.detach_tree(out)
         self._apply_update()
         self.step_status.deliver_peaks(reduced[3:], flagged=False)
@@ -1266,11 +1274,13 @@ class GraphStep:
     # replay overflows too, the eager dropless rerun follows as before (a count out of range,
     # which no stash fixes, shares the overflow flag). A step over a dispatch budget reruns
     # eagerly (dropless: no graph can hold its rows), and so does every flagged step with
-    # ``on_overflow`` (it may change what a graph bakes) and without CUDA (NOTE [same contract
-    # on the CPU]: there is nothing to capture). So does a step whose peaks changed something a
-    # graph bakes in (an adaptive budget that shrank as they were handed over): those sizes
-    # first run one eager step (NOTE [budgets the step adapts]), which the eager rerun is. Every
-    # rank reads the same reduced flags and peaks and takes the same branch.
+    # ``on_overflow`` (it may change what a graph bakes), and a step whose peaks changed
+    # something a graph bakes in (an adaptive budget that shrank as they were handed over):
+    # those sizes first run one eager step (NOTE [budgets the step adapts]), which the eager
+    # rerun is. Every rank reads the same reduced flags and peaks and takes the same branch.
+    # Without CUDA, a call past the warmup stands for a replay (NOTE [same contract on the
+    # CPU]): the stash grows the same way and the step runs again eagerly with it, not dropless,
+    # counted in ``capture_reruns`` as on a GPU.
     def _reruns_by_capture(self, overflow: int, over_budget: int) -> bool:
         return (bool(overflow) and not over_budget and self._manager is not None
                 and self._on_overflow is None)
@@ -1278,17 +1288,25 @@ class GraphStep:
     def _rerun_by_capture(self, sig, leaves, spec, args, kwargs, flagged: _RerunByCapture):
         """NOTE [rerun by capture]: grow the stash, capture the step again and replay it; or
         the eager rerun, where the peaks changed what a graph bakes in."""
-        self.step_status.deliver_peaks(flagged.peaks, flagged=True)   # the fill, before growth
-        if self._owners_changed():
+        if not self._grow_for_rerun_by_capture(flagged.peaks):
             entry = self._graphs[sig]
             return self._rerun(args, kwargs, flagged.flags, regraph=True, peaks=flagged.peaks,
                                finish=functools.partial(self._rerun_outputs, entry),
                                entry=entry, delivered=True)
+        entry = self._capture(sig, leaves, spec, args, kwargs)
+        return self._replay(entry, leaves, args, kwargs, by_capture=False)
+
+    def _grow_for_rerun_by_capture(self, peaks) -> bool:
+        """Hand over a stash-overflowed step's peaks; unless they moved what a graph bakes in
+        (then False: the eager rerun, with the peaks delivered), drop the graphs and grow the
+        stash for the step to run again (NOTE [rerun by capture])."""
+        self.step_status.deliver_peaks(peaks, flagged=True)   # the stash's fill, before it grows
+        if self._owners_changed():
+            return False
         self._stats.capture_reruns += 1
         self._drop_graphs()
         self._grow_budget(overflowed=True)
-        entry = self._capture(sig, leaves, spec, args, kwargs)
-        return self._replay(entry, leaves, args, kwargs, by_capture=False)
+        return True
 
     def _rerun_outputs(self, entry: _Graph, out):
         """What a call returns after a rerun: the static outputs overwritten, or copies."""
