@@ -1367,8 +1367,8 @@ def graph_step(fn=None, **options):
     eagerly under :func:`graphstash.dropless`, the update is applied once, the stash budget
     grows by ``budget_growth`` and the next call recaptures; where only the stash overflowed,
     the stash grows and the same inputs run again through a new capture of the step (NOTE
-    [rerun by capture]). Without CUDA every call runs
-    eagerly (one warning says so) with the same ``stats``.
+    [rerun by capture]). Without CUDA every call runs eagerly (one warning says so) with the
+    same ``stats``.
 
     Args:
         fn: the training step: a plain function (a generator or async function is refused:
