@@ -432,7 +432,8 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
         moved["sent"] / MIB, moved["local"] / MIB, moved["meta"] / 1024,
         stats.over_budget if stats else 0, stats.overflows if stats else 0,
         stats.reruns if stats else 0, s["min"], s["q1"], s["q3"], s["max"],
-        moe_setup.recaptures(stats, device), stashed, -stashed])   # -: the fewest
+        moe_setup.recaptures(stats, device), stashed, -stashed,   # -: the fewest
+        stats.eager_reruns if stats else 0])
     (step_ms, peak_mib, act_mib, sent_mib, local_mib, meta_kib, over_budget, overflow,
      reruns) = figures[:9]
     if device.type != "cuda":          # no memory statistics on the CPU
@@ -442,8 +443,8 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
             "activation_peak_mib": act_mib, "sent_mib": sent_mib, "local_mib": local_mib,
             "meta_kib": meta_kib, "bytes_counted": counted, "exchange": exchange,
             "over_budget": int(over_budget), "overflow": int(overflow), "reruns": int(reruns),
-            "recaptures": int(figures[13]), "budgets": budgets,
-            "calls": calls, "stashed_groups": int(figures[14]),
+            "dropless_reruns": int(figures[16]), "recaptures": int(figures[13]),
+            "budgets": budgets, "calls": calls, "stashed_groups": int(figures[14]),
             "stashed_groups_min": int(-figures[15]), "groups": len(plan), "kernels": kernels,
             "peak_call": peak_call}
 
