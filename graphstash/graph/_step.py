@@ -1056,17 +1056,19 @@ class GraphStep:
     # NOTE [rerun memory]: a dropless rerun does not stash (``stash_activations`` does nothing
     # in dropless mode), yet the stash's pages stayed allocated beside the rerun's own
     # activations. Under drifting routing on two H100s (qwen3-30b-a3b widths, capacity factor
-    # 2.0, docs/exchange.md, "Rows the stash keeps") the stash row, which reran once, peaked
-    # at 8565 MiB of activation against 4383 for the same row without the stash, which never
-    # reran; the rerun beside the pages is the likely cause. A step whose stash overflowed or
-    # spilled grows the stash after its rerun (NOTE [stash growth]) and every graph is then
-    # recaptured, so nothing is lost by freeing the pages before the rerun: the graphs that
-    # write them are dropped first (they would be after the growth), the buffers are
-    # released, and they come back (``reallocate``) when the rerun ends, raised or not,
-    # before the growth re-sizes them. A step only over a
-    # dispatch budget keeps its stash and its graphs. The graphs go whether the flagged step
-    # was replayed or eager: an eager step of a new signature may run while graphs of others
-    # exist, and they wrote the old pages.
+    # 2.0, docs/exchange.md, "Rows the stash keeps") the stash row, which reran once, peaked at
+    # 8565 MiB of activation against 4383 for the same row without the stash, which never reran.
+    # Releasing the pages did not lower that peak (8560 MiB, docs/exchange.md, "A rerun by
+    # capture"): the eager step's own memory set it, which NOTE [rerun by capture] avoids for a
+    # stash overflow; the release stays for the eager reruns that remain, whose pages would
+    # otherwise sit beside them. A step whose stash overflowed or spilled grows the stash after
+    # its rerun (NOTE [stash growth]) and every graph is then recaptured, so nothing is lost by
+    # freeing the pages before the rerun: the graphs that write them are dropped first (they
+    # would be after the growth), the buffers are released, and they come back (``reallocate``)
+    # when the rerun ends, raised or not, before the growth re-sizes them. A step only over a
+    # dispatch budget keeps its stash and its graphs. The graphs go whether the flagged step was
+    # replayed or eager: an eager step of a new signature may run while graphs of others exist,
+    # and they wrote the old pages.
     def _free_stash(self, flags: tuple) -> bool:
         """Before a rerun (NOTE [rerun memory]): if the flagged step's stash overflowed or
         spilled, drop the graphs and release the stash's buffers; True if released."""
