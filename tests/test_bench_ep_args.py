@@ -3,6 +3,7 @@ rows, the layers that fit, the table, and the threads' coordination (all on the 
 itself runs on GPUs: tests/test_bench_ep_gpu.py, docs/exchange.md)."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -62,7 +63,7 @@ BAD = [
      "--device cpu asks for none; on the CPU run it without torchrun"),
     (("--ep", "2", "--modes", "graph + budget"), None,
      "--modes: expected names from eager peer, nccl chunks, worst-case buffers, live rows, "
-     "live rows + stash with --ep, got 'graph + budget'"),
+     "live rows + stash, no exchange with --ep, got 'graph + budget'"),
     (("--ep", "4", "--hidden", "64", "--ffn", "32", "--experts", "6", "--topk", "2"), None,
      "--experts: expected a multiple of the 4 ranks, got 6"),
     (("--ep", "2", "--layers", "0"), None, "--layers: expected a positive int, got 0"),
@@ -146,9 +147,44 @@ def test_rows_say_why_they_cannot_run_where_they_cannot():
     assert "no process group" in ep_rows.unavailable("nccl chunks", "threads", "local")
     for row in ep_rows.ROWS:
         assert ep_rows.unavailable(row, "torchrun", "auto") is None
-        assert (ep_rows.unavailable(row, "torchrun", "nccl") is None) == (row in ep_rows.PEER_ROWS)
+        assert (ep_rows.unavailable(row, "torchrun", "nccl") is None) == \
+            (row not in ep_rows.TRANSPORT_ROWS)
+    for launch in ep_rows.LAUNCHES:         # nothing leaves its rank: it runs anywhere
+        assert ep_rows.unavailable("no exchange", launch, "local") is None
     with pytest.raises(ValueError, match="row: expected one of"):
         ep_rows.unavailable("live", "threads", "local")
+
+
+def test_the_no_exchange_row_is_one_rank_of_the_live_rows_less_the_exchange():
+    """A rank's own experts on its own tokens, the same budget (NOTE [no-exchange row]); under
+    any routing but balanced it says why it does not run, as it does where top-k exceeds a
+    rank's experts."""
+    from graphstash.models import MoEConfig, MoEModel
+
+    c = MoEConfig(hidden=16, ffn=8, num_experts=8, topk=2, num_tokens=32, layers=2,
+                  capacity_factor=1.25)
+    assert ep_rows.unavailable("no exchange", "torchrun", "auto", c, 2) is None
+    local = ep_rows.row_config("no exchange", c, 2)
+    assert local == dataclasses.replace(c, num_experts=4)
+    run = ep_rows.build_row("no exchange", c, torch.device("cpu"), torch.float32, world_size=2)
+    assert run.graph is not None and run.model.exchange_kind == "one device"
+    assert run.model.config == local
+    # its experts are a rank's half of the whole model's: the same widths, half as many
+    whole = [tuple(p.shape) for p in MoEModel(c).expert_parameters()]
+    shapes = [tuple(p.shape) for p in run.model.expert_parameters()]
+    assert shapes == [(s[0] // 2, *s[1:]) for s in whole] and shapes[0][0] == 4, shapes
+    for routing in ("skew:1.5", "zipf:1.2", "drift"):
+        skewed = dataclasses.replace(c, routing=routing)
+        why = ep_rows.unavailable("no exchange", "torchrun", "auto", skewed, 2)
+        assert why.startswith("not available: under routing ") and "balanced" in why, why
+        with pytest.raises(ValueError, match="config: under routing"):
+            ep_rows.row_config("no exchange", skewed, 2)
+    why = ep_rows.unavailable("no exchange", "torchrun", "auto", c, 8)
+    assert why == "not available: top-2 of a rank's 1 experts (8 over 8 ranks)", why
+    with pytest.raises(ValueError, match="world_size: 8 experts do not divide over 3 ranks"):
+        ep_rows.row_config("no exchange", c, 3)
+    with pytest.raises(ValueError, match="world_size: expected an int >= 1"):
+        ep_rows.unavailable("no exchange", "torchrun", "auto", c)
 
 
 def test_the_worst_case_row_holds_every_row_any_rank_could_send():

@@ -39,6 +39,9 @@ def _check_transport_rows(entry: dict, kind: str) -> None:
     # a budget of 1.25x the average rows keeps less than one of every row any rank could send
     assert live["activation_peak_mib"] < worst["activation_peak_mib"], (live, worst)
     assert results["live rows + stash"]["groups"] > 0
+    local = results["no exchange"]              # nothing sent (NOTE [no-exchange row])
+    assert local["exchange"] == "one device" and local["sent_mib"] == 0, local
+    assert local["step_ms"] > 0 and local["calls"] == 2 + 1 + 3, local
 
 
 def test_processes_sharing_the_gpu_run_the_transport_rows(monkeypatch, capsys):

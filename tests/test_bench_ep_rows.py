@@ -277,8 +277,14 @@ def _bench_loop_ranks(rank: int, world: int):
     for row, r in results.items():
         assert "error" not in r, (row, r)
         assert (r["over_budget"], r["overflow"], r["reruns"], r["calls"]) == (0, 0, 0, 5), r
-        assert r["step_ms"] > 0 and r["sent_mib"] > 0, (row, r)
+        assert r["step_ms"] > 0 and (r["sent_mib"] > 0) == (row != "no exchange"), (row, r)
         assert r["vs_eager_peer"] is not None and r["vs_worst_case"] is not None
+        assert r["vs_no_exchange"] == pytest.approx(
+            r["step_ms"] / results["no exchange"]["step_ms"]), (row, r)
+    # a rank's own experts, nothing sent (NOTE [no-exchange row])
+    local = results["no exchange"]
+    assert local["exchange"] == "one device" and local["bytes_counted"] == "nothing leaves the rank"
+    assert (local["sent_mib"], local["local_mib"], local["meta_kib"]) == (0, 0, 0), local
     live, worst, stash = (results[r] for r in ("live rows", "worst-case buffers",
                                                "live rows + stash"))
     for key in ("sent_mib", "local_mib", "meta_kib"):
@@ -401,6 +407,17 @@ def test_bench_moe_ep_four_gloo_ranks_reports_every_row(tmp_path, routing):
     assert entry["config"]["routing"] == routing and entry["config"]["num_experts"] == 8
     results = entry["results"]
     assert list(results) == list(ROWS)
+    local = results.pop("no exchange")
+    if routing == "balanced":                # balanced routing only (NOTE [no-exchange row])
+        assert local["exchange"] == "one device" and local["sent_mib"] == 0, local
+        assert local["reruns"] == local["over_budget"] and local["overflow"] == 0, local
+        for r in results.values():
+            assert r["vs_no_exchange"] == pytest.approx(r["step_ms"] / local["step_ms"]), r
+    else:
+        assert local == {"error": f"not available: under routing {routing} the rows a rank "
+                         "receives depend on every rank's routing (NOTE [no-exchange row]); "
+                         "balanced routing only"}, local
+        assert all(r["vs_no_exchange"] is None for r in results.values()), results
     kinds = {"eager peer": "all_to_all (plain peer)", "nccl chunks": "nccl chunks"}
     for row, r in results.items():
         assert "error" not in r, (row, r)
@@ -424,6 +441,8 @@ def test_bench_moe_ep_four_gloo_ranks_reports_every_row(tmp_path, routing):
     # the table: its title, then one line per row with its step time and flags
     out = done.stdout
     assert f"routing {routing}, EP=4 as 4 processes on the CPU over gloo" in out, out
+    line = [x for x in out.splitlines() if x.startswith("no exchange  ")]
+    assert len(line) == 1 and ("not available" in line[0]) == (routing != "balanced"), out
     for row, r in results.items():
         line = [x for x in out.splitlines() if x.startswith(row + "  ")]
         assert len(line) == 1, (row, out)

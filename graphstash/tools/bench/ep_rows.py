@@ -16,7 +16,9 @@ ranks, and the buffers they land in, change:
   ``W``): torchtitan's graphable design, built from graphstash's own kernels, under
   ``graph_step``;
 - ``live rows``: the live-row exchange sized by ``--capacity-factor``, under ``graph_step``;
-- ``live rows + stash``: the same with ``graph_step(stash=...)``.
+- ``live rows + stash``: the same with ``graph_step(stash=...)``;
+- ``no exchange``: no expert parallelism, the baseline of what the exchange costs (NOTE
+  [no-exchange row]).
 
 The budgets of ``live rows`` and ``live rows + stash`` adapt to the routing (NOTE [adaptive
 budgets] in ``graphstash/moe/budgets.py``). Where the ranks have a process group and the
@@ -37,16 +39,31 @@ import dataclasses
 import torch
 
 from ...graph import graph_step
-from ...models import MoEConfig, MoEModel
+from ...models import MoEConfig, MoEModel, parse_routing
 from ...moe.exchange import receive_rows
 from ..training import WARMUP, TrainingRun, eager_step, forward_backward_of, routed_step
 
-ROWS = ("eager peer", "nccl chunks", "worst-case buffers", "live rows", "live rows + stash")
+ROWS = ("eager peer", "nccl chunks", "worst-case buffers", "live rows", "live rows + stash",
+        "no exchange")
 GRAPHED = ROWS[1:]
 PEER_ROWS = ROWS[:2]            # rows whose tokens travel through torch.distributed collectives
-TRANSPORT_ROWS = ROWS[2:]       # rows whose tokens travel through a live-row transport
+TRANSPORT_ROWS = ROWS[2:5]      # rows whose tokens travel through a live-row transport
+LOCAL_ROWS = ROWS[5:]           # rows whose tokens never leave their rank
 MODEL_MODE = {"eager peer": "plain", "nccl chunks": "budget", "worst-case buffers": "budget",
-              "live rows": "budget", "live rows + stash": "stash"}
+              "live rows": "budget", "live rows + stash": "stash", "no exchange": "budget"}
+
+# NOTE [no-exchange row]: what does the exchange cost a step? Not the one-GPU step of the
+# whole model: it holds every expert, so its optimizer updates W times the expert parameters
+# a rank holds (fused AdamW was 24.8 ms, 40 % of the one-GPU step at qwen3-30b-a3b widths,
+# docs/moe-performance.md), and a comparison with it hides the exchange behind the optimizer
+# it saves. The ``no exchange`` row is one rank doing what a rank of the live rows does, less
+# the exchange: each rank's own E / W experts (so its parameters, gradients and AdamW state
+# are a rank's), its own T tokens routed top-K among them (the T x K rows a rank receives on
+# average), a budget at the same capacity factor, graph + budget. Under balanced routing that
+# is a live-row rank's work, so a row's step over this one is what its exchange costs.
+# Under any other routing the rows a rank receives depend on every rank's routing (the
+# favoured rank gets several times the average), which no rank alone reproduces: there the
+# row is not run, and says why.
 
 # How the ranks of a run are laid out (moe_ep's launch), and why a row cannot run there.
 LAUNCHES = ("torchrun", "processes", "threads")
@@ -57,19 +74,50 @@ _NO_GROUP = {
 }
 
 
-def unavailable(row: str, launch: str, transport: str) -> str | None:
+def unavailable(row: str, launch: str, transport: str, config: MoEConfig | None = None,
+                world_size: int | None = None) -> str | None:
     """Why ``row`` cannot run with ranks laid out as ``launch`` (one of :data:`LAUNCHES`) over
-    ``transport`` (``--transport``), or None if it can."""
+    ``transport`` (``--transport``), or None if it can; with ``config`` and ``world_size``,
+    also why the ``no exchange`` row cannot stand for that configuration (NOTE [no-exchange
+    row])."""
     if row not in ROWS:
         raise ValueError(f"row: expected one of {ROWS}, got {row!r}")
     if launch not in LAUNCHES:
         raise ValueError(f"launch: expected one of {LAUNCHES}, got {launch!r}")
+    if row in LOCAL_ROWS and config is not None:
+        return _no_exchange_unavailable(config, world_size)
     if row in PEER_ROWS and launch in _NO_GROUP and not (launch == "processes"
                                                          and transport == "gloo"):
         return f"not available: {_NO_GROUP[launch]}"
     if row in TRANSPORT_ROWS and transport == "nccl":
         return "not available: --transport nccl builds no live-row transport"
     return None
+
+
+def _no_exchange_unavailable(config: MoEConfig, world_size: int | None) -> str | None:
+    if world_size is None or world_size < 1:
+        raise ValueError(f"world_size: expected an int >= 1 with config, got {world_size!r}")
+    routing = parse_routing(config.routing)
+    if routing.kind != "balanced":
+        return (f"not available: under routing {routing} the rows a rank receives depend on "
+                "every rank's routing (NOTE [no-exchange row]); balanced routing only")
+    local = config.num_experts // world_size
+    if config.topk > local:
+        return (f"not available: top-{config.topk} of a rank's {local} experts "
+                f"({config.num_experts} over {world_size} ranks)")
+    return None
+
+
+def no_exchange_config(config: MoEConfig, world_size: int) -> MoEConfig:
+    """``config`` for the ``no exchange`` row: one rank's ``num_experts / world_size`` experts
+    on one device (NOTE [no-exchange row])."""
+    if config.num_experts % world_size:
+        raise ValueError(f"world_size: {config.num_experts} experts do not divide over "
+                         f"{world_size} ranks")
+    why = _no_exchange_unavailable(config, world_size)
+    if why is not None:
+        raise ValueError(f"config: {why[len('not available: '):]}")
+    return dataclasses.replace(config, num_experts=config.num_experts // world_size)
 
 
 def worst_case_config(config: MoEConfig, world_size: int) -> MoEConfig:
@@ -81,9 +129,12 @@ def worst_case_config(config: MoEConfig, world_size: int) -> MoEConfig:
 
 def row_config(row: str, config: MoEConfig, world_size: int) -> MoEConfig:
     """The model configuration ``row`` runs: the worst-case budget for ``worst-case buffers``,
-    NCCL chunks of the capacity factor for ``nccl chunks``, else ``config``."""
+    NCCL chunks of the capacity factor for ``nccl chunks``, one rank's experts for ``no
+    exchange``, else ``config``."""
     if row == "worst-case buffers":
         return worst_case_config(config, world_size)
+    if row == "no exchange":
+        return no_exchange_config(config, world_size)
     if row == "nccl chunks" and config.chunk_factor is None:
         return dataclasses.replace(config, chunk_factor=config.capacity_factor)
     return config
@@ -117,7 +168,8 @@ def build_row(row: str, config: MoEConfig, device: torch.device, dtype: torch.dt
             backend and the gloo transport).
         dtype: parameter dtype (bf16 is what the bench measures).
         world_size: ranks of the expert-parallel group.
-        group: the ``torch.distributed`` group the peers' collectives run over (peer rows).
+        group: the ``torch.distributed`` group the peers' collectives run over (peer rows;
+            the ``no exchange`` row takes none).
         transport: this rank's :class:`~graphstash.moe.exchange.Transport` (transport rows),
             sized by :func:`transport_sizes`.
         stash: ``graph_step``'s ``stash=`` for ``live rows + stash``.
@@ -141,7 +193,7 @@ def build_row(row: str, config: MoEConfig, device: torch.device, dtype: torch.dt
         if transport.world_size != world_size:
             raise ValueError(f"transport: built for {transport.world_size} ranks, the row runs "
                              f"{world_size}")
-    elif group is None:
+    elif group is None and row not in LOCAL_ROWS:
         raise ValueError(f"group: the {row!r} row sends its rows with torch.distributed "
                          "collectives and needs their process group; got None")
     on_gpu = device.type == "cuda"
@@ -151,7 +203,7 @@ def build_row(row: str, config: MoEConfig, device: torch.device, dtype: torch.dt
     else:
         exchange = transport if row in TRANSPORT_ROWS else None
     model = MoEModel(row_config(row, config, world_size), mode=MODEL_MODE[row],
-                     group=None if row in TRANSPORT_ROWS and not built_here else group,
+                     group=group if row in PEER_ROWS or built_here else None,
                      exchange=exchange, seed=seed, device=device, dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=on_gpu or None,
                             capturable=on_gpu and graphed)

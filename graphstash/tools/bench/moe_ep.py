@@ -21,12 +21,14 @@ dropless MoE, ``all_to_all_single`` with split sizes read back every layer; NCCL
 ``nccl chunks`` (graphstash's budget dispatch over NCCL's fixed chunks under ``graph_step``;
 NCCL ranks only), ``worst-case buffers`` (the live-row exchange with receive room for every row
 any rank could send and a budget of that size, torchtitan's graphable design), ``live rows`` and
-``live rows + stash`` (under ``graph_step``). The presets at 8192 tokens per rank,
+``live rows + stash`` (under ``graph_step``), and ``no exchange`` (each rank's own experts on
+its own tokens, nothing sent: the baseline of what the exchange costs, balanced routing only;
+NOTE [no-exchange row]). The presets at 8192 tokens per rank,
 ``--capacity-factor`` (default 2.0), as many layers as fit (up to 16) unless ``--layers``,
 bf16.
 
 Columns: step time (median of CUDA-event samples of whole decorated calls), its ratio to the
-eager peer and to the worst-case row, the peak memory over the capture and the timed steps and
+eager peer, to the worst-case row and to the no-exchange row, the peak memory over the capture and the timed steps and
 the activation peak (that peak less parameters, gradients and optimizer state), the bytes each
 rank writes into other ranks per step (device counters of the transport over the timed steps;
 for the peers, what their collectives send, from the split sizes, over the warmup steps) and
@@ -63,7 +65,7 @@ from .. import options, progress, training
 from ..output import Output
 from . import moe_setup
 from .moe_setup import DEFAULT_PREFETCH
-from .ep_rows import (PEER_ROWS, ROWS, TRANSPORT_ROWS, build_row, transport_bytes,
+from .ep_rows import (LOCAL_ROWS, PEER_ROWS, ROWS, TRANSPORT_ROWS, build_row, transport_bytes,
                       transport_sizes, unavailable)
 from .kernel_share import GROUPS, profile_steps
 from .peak_call import PeakCalls, describe, highest
@@ -418,6 +420,9 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
     elif transport is not None:
         moved = {"sent": float("nan"), "local": float("nan"), "meta": float("nan")}
         counted = "not counted: the exchange was rebuilt during the timed steps"
+    elif row in LOCAL_ROWS:
+        moved = {"sent": 0.0, "local": 0.0, "meta": 0.0}
+        counted = "nothing leaves the rank"
     else:
         moved = {"sent": sent[0] / warmup, "local": 0.0, "meta": 0.0}
         counted = "split sizes, warmup steps"
@@ -452,22 +457,26 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
 
 
 def add_ratios(results: dict) -> None:
-    """Each measured row's ratios to the eager peer (step time, bytes sent) and to the
-    worst-case row (step time), where those rows ran."""
+    """Each measured row's ratios to the eager peer (step time, bytes sent), to the
+    worst-case row and to the no-exchange row (step time: NOTE [no-exchange row] in
+    ``ep_rows.py``), where those rows ran."""
     peer = results.get("eager peer", {})
     worst = results.get("worst-case buffers", {})
+    local = results.get("no exchange", {})
     for r in results.values():
         if "step_ms" not in r:
             continue
         r["vs_eager_peer"] = r["step_ms"] / peer["step_ms"] if "step_ms" in peer else None
         r["vs_worst_case"] = r["step_ms"] / worst["step_ms"] if "step_ms" in worst else None
+        r["vs_no_exchange"] = r["step_ms"] / local["step_ms"] if "step_ms" in local else None
         r["sent_vs_eager_peer"] = (r["sent_mib"] / peer["sent_mib"]
                                    if peer.get("sent_mib") else None)
 
 
 COLUMNS = (Column("row", width=18), Column("step ms", ".2f", width=8),
            Column("min-max ms", width=13, align="right"), Column("/peer", ".3f", width=6),
-           Column("/worst", ".3f", width=6), Column("peak MiB", ".0f", width=8),
+           Column("/worst", ".3f", width=6), Column("/no exch", ".3f", width=8),
+           Column("peak MiB", ".0f", width=8),
            Column("act MiB", ".0f", width=7), Column("sent MiB", ".1f", width=8),
            Column("/peer", ".3f", width=6), Column("meta KiB", ".1f", width=8),
            Column("flags (over budget, overflow, reruns, recaptures)"),
@@ -493,7 +502,7 @@ def table_row(row: str, r: dict) -> list:
     most = r["stashed_groups"] if low == r["stashed_groups"] else f"{low}-{r['stashed_groups']}"
     stashed = (f"; stashed {most}/{r['groups']} groups" if r["groups"] else "")
     return [row, r["step_ms"], range_text(r.get("step_ms_spread")), r.get("vs_eager_peer"),
-            r.get("vs_worst_case"), r["peak_mib"], r["activation_peak_mib"], r["sent_mib"],
+            r.get("vs_worst_case"), r.get("vs_no_exchange"), r["peak_mib"], r["activation_peak_mib"], r["sent_mib"],
             r.get("sent_vs_eager_peer"), r["meta_kib"],
             f"{r['over_budget']}, {r['overflow']}, {r['reruns']}, {r.get('recaptures', 0)} of "
             f"{r['calls']} calls{stashed}", r.get("budgets")]
@@ -552,7 +561,7 @@ def print_table(name: str, entry: dict, out: Output | None = None) -> None:
     out.end()
 
 
-RATIOS = {"vs_eager_peer": "/peer", "vs_worst_case": "/worst",
+RATIOS = {"vs_eager_peer": "/peer", "vs_worst_case": "/worst", "vs_no_exchange": "/no exch",
           "sent_vs_eager_peer": "sent /peer"}       # figure -> its column
 
 
@@ -592,7 +601,8 @@ def run_rank(ranks, plan: Plan, out: Output | None = None) -> dict:
                 out.title(title(name, entry))
                 table = out.table(COLUMNS)
             for row in plan.rows:
-                why = unavailable(row, plan.launch.kind, plan.launch.transport)
+                why = unavailable(row, plan.launch.kind, plan.launch.transport, config,
+                                  ranks.world_size)
                 if why is not None:
                     results[row] = {"error": why}
                 else:
