@@ -23,9 +23,11 @@ after that many seconds (the rest run on the next call).
 ``table`` prints, per preset: EP, routing, row, step ms, the eager peer's time over the row's
 (speed-up), activation MiB per rank and its ratio to the eager peer's, MiB each rank sends to
 the others per step, the exchange kernels' share of the kernel time (torch.profiler; the
-exchange kernels' time includes waiting on the peers), steps over budget / reruns /
-recaptures; then the weak-scaling ratios (the row's step at EP = N over its step at the
-smallest EP > 1 measured).
+exchange kernels' time includes waiting on the peers), the row's step over the no-exchange
+row's (NOTE [no-exchange row] in ``graphstash/tools/bench/ep_rows.py``: what the exchange
+costs; balanced routing only), steps over budget / reruns / recaptures; then the
+weak-scaling ratios (the row's step at EP = N over its step at the smallest EP > 1
+measured).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import subprocess
 import sys
 import time
 
-EP_ROWS = "eager peer,nccl chunks,worst-case buffers,live rows,live rows + stash"
+EP_ROWS = "eager peer,nccl chunks,worst-case buffers,live rows,live rows + stash,no exchange"
 ONE_GPU_ROWS = {"plain eager": "eager peer", "graph + budget": "live rows",
                 "graph + budget + stash": "live rows + stash"}
 
@@ -130,19 +132,21 @@ def table(args) -> int:
             config, ep, gpus, rows = _rows(os.path.join(args.dir, name))
             preset = name.split("_ep")[0]
             found[(preset, ep, config["routing"])] = (config, gpus, rows)
-    order = ("eager peer", "nccl chunks", "worst-case buffers", "live rows", "live rows + stash")
+    order = ("eager peer", "nccl chunks", "worst-case buffers", "live rows", "live rows + stash",
+             "no exchange")
     for preset in sorted({k[0] for k in found}):
         print(f"\n### {preset}\n")
         print("| EP | layers | routing | row | step ms | peer / row | act MiB | act / peer "
-              "| sent MiB | exchange share | over budget / reruns / recaptures |")
-        print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
+              "| sent MiB | exchange share | row / no exchange | over budget / reruns / recaptures |")
+        print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
         keys = sorted((k for k in found if k[0] == preset), key=lambda k: (k[1], k[2]))
         for key in keys:
             config, _, rows = found[key]
             peer = rows.get("eager peer", {})
+            local = rows.get("no exchange", {}).get("step_ms")
             for name in order:
                 r = rows.get(name)
-                if r is None:
+                if r is None or "step_ms" not in r:     # not run, or not available there
                     continue
                 shares = [k["shares"].get("exchange") for k in (r.get("kernels") or [])
                           if k and k.get("shares")]
@@ -154,6 +158,7 @@ def table(args) -> int:
                       f"| {_fmt(act / peer_act if act and peer_act else None, '.2f')} "
                       f"| {_fmt(r.get('sent_mib', r.get('exchanged_mib')), '.1f')} "
                       f"| {_fmt(max(shares) if shares else None, '.1%')} "
+                      f"| {_fmt(r['step_ms'] / local if local else None, '.3f')} "
                       f"| {r['over_budget']:.0f} / {r['reruns']:.0f} / {r['recaptures']:.0f} |")
         eps = sorted({k[1] for k in keys if k[1] > 1})
         if len(eps) > 1:
@@ -165,7 +170,9 @@ def table(args) -> int:
                     if base is None or other is None:
                         continue
                     parts = [f"{name} {other[2][name]['step_ms'] / base[2][name]['step_ms']:.3f}"
-                             for name in order if name in base[2] and name in other[2]]
+                             for name in order
+                             if "step_ms" in base[2].get(name, {})
+                             and "step_ms" in other[2].get(name, {})]
                     print(f"- {routing}, EP {ep} / {eps[0]}: " + ", ".join(parts))
     gpu_names = sorted({str(v[1]) for v in found.values()})
     print("\nGPUs: " + "; ".join(gpu_names))

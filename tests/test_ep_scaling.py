@@ -52,8 +52,9 @@ def test_commands_launch_the_bench_per_gpu_count():
     assert "--layers" not in fit                         # as many as fit one GPU
 
 
-def _ep_json(path, ep, peer_ms, live_ms, peer_act, live_act, share):
-    """A bench JSON with the keys ``graphstash bench moe --ep`` writes (two rows)."""
+def _ep_json(path, ep, peer_ms, live_ms, peer_act, live_act, share, local_ms=None):
+    """A bench JSON with the keys ``graphstash bench moe --ep`` writes (two rows; with
+    ``local_ms`` the no-exchange row, else that row's error, as under skewed routing)."""
     def row(ms, act, kernels):
         return {"step_ms": ms, "activation_peak_mib": act, "sent_mib": 100.0,
                 "over_budget": 1, "reruns": 1, "recaptures": 0,
@@ -62,7 +63,9 @@ def _ep_json(path, ep, peer_ms, live_ms, peer_act, live_act, share):
     entry = {"config": {"layers": 8, "routing": "balanced"},
              "ep": {"world_size": ep},
              "results": {"eager peer": row(peer_ms, peer_act, None),
-                         "live rows": row(live_ms, live_act, kernels)}}
+                         "live rows": row(live_ms, live_act, kernels),
+                         "no exchange": row(local_ms, live_act, None) if local_ms else
+                         {"error": "not available: under routing skew:1.5"}}}
     path.write_text(json.dumps({"meta": {"gpus": ["GPU"] * ep}, "moe": {"p": entry}}))
 
 
@@ -73,7 +76,7 @@ def test_table_of_the_benches(tmp_path, capsys):
     assert cli.main(["bench", "moe", *SMALL, "--modes", ",".join(script.ONE_GPU_ROWS),
                      "--json", str(tmp_path / "p_ep1_balanced.json")]) == 0
     _ep_json(tmp_path / "p_ep2_balanced.json", 2, 100.0, 50.0, 1000.0, 250.0, 0.3)
-    _ep_json(tmp_path / "p_ep4_balanced.json", 4, 110.0, 55.0, 1200.0, 240.0, 0.4)
+    _ep_json(tmp_path / "p_ep4_balanced.json", 4, 110.0, 55.0, 1200.0, 240.0, 0.4, local_ms=44.0)
     capsys.readouterr()
     assert script.main(["table", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -83,8 +86,13 @@ def test_table_of_the_benches(tmp_path, capsys):
     by = {(r[0], r[3]): r for r in rows}
     assert {k[1] for k in by if k[0] == "1"} == {"eager peer", "live rows", "live rows + stash"}
     live4 = by[("4", "live rows")]
-    assert live4[4:] == ["55.00", "2.00x", "240", "0.20", "100.0", "40.0%", "1 / 1 / 0"], live4
+    assert live4[4:] == ["55.00", "2.00x", "240", "0.20", "100.0", "40.0%", "1.250",
+                         "1 / 1 / 0"], live4
+    assert by[("4", "no exchange")][4:11] == ["44.00", "2.50x", "240", "0.20", "100.0", "–",
+                                              "1.000"]
     assert by[("2", "eager peer")][9] == "–"             # no profile: no share
+    assert by[("2", "live rows")][10] == "–"             # no no-exchange row there
+    assert ("2", "no exchange") not in by                # its error: no line
     assert "- balanced, EP 4 / 2: eager peer 1.100, live rows 1.100" in out
 
 
