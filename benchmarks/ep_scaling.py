@@ -137,7 +137,8 @@ def table(args) -> int:
     for preset in sorted({k[0] for k in found}):
         print(f"\n### {preset}\n")
         print("| EP | layers | routing | row | step ms | peer / row | act MiB | act / peer "
-              "| sent MiB | exchange share | row / no exchange | over budget / reruns / recaptures |")
+              "| sent MiB | exchange share | row / no exchange "
+              "| over budget / reruns / recaptures |")
         print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
         keys = sorted((k for k in found if k[0] == preset), key=lambda k: (k[1], k[2]))
         for key in keys:

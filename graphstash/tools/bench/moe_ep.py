@@ -28,11 +28,11 @@ NOTE [no-exchange row]). The presets at 8192 tokens per rank,
 bf16.
 
 Columns: step time (median of CUDA-event samples of whole decorated calls), its ratio to the
-eager peer, to the worst-case row and to the no-exchange row, the peak memory over the capture and the timed steps and
-the activation peak (that peak less parameters, gradients and optimizer state), the bytes each
-rank writes into other ranks per step (device counters of the transport over the timed steps;
-for the peers, what their collectives send, from the split sizes, over the warmup steps) and
-their ratio to the eager peer's, the counts/flags/signals bytes, and the steps flagged over
+eager peer, to the worst-case row and to the no-exchange row, the peak memory over the capture
+and the timed steps and the activation peak (that peak less parameters, gradients and
+optimizer state), the bytes each rank writes into other ranks per step (device counters of the
+transport over the timed steps; for the peers, what their collectives send, from the split
+sizes, over the warmup steps) and their ratio to the eager peer's, the counts/flags/signals bytes, and the steps flagged over
 budget, overflowed and rerun (all calls of the row; dropless or by capture, NOTE [rerun by
 capture] in ``graphstash/graph/_step.py``: ``"dropless_reruns"`` in the JSON are the first).
 Figures are the largest over the ranks.
@@ -502,8 +502,8 @@ def table_row(row: str, r: dict) -> list:
     most = r["stashed_groups"] if low == r["stashed_groups"] else f"{low}-{r['stashed_groups']}"
     stashed = (f"; stashed {most}/{r['groups']} groups" if r["groups"] else "")
     return [row, r["step_ms"], range_text(r.get("step_ms_spread")), r.get("vs_eager_peer"),
-            r.get("vs_worst_case"), r.get("vs_no_exchange"), r["peak_mib"], r["activation_peak_mib"], r["sent_mib"],
-            r.get("sent_vs_eager_peer"), r["meta_kib"],
+            r.get("vs_worst_case"), r.get("vs_no_exchange"), r["peak_mib"],
+            r["activation_peak_mib"], r["sent_mib"], r.get("sent_vs_eager_peer"), r["meta_kib"],
             f"{r['over_budget']}, {r['overflow']}, {r['reruns']}, {r.get('recaptures', 0)} of "
             f"{r['calls']} calls{stashed}", r.get("budgets")]
 
