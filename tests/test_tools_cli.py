@@ -48,6 +48,22 @@ def test_cli_demo_modes_on_cpu(capsys):
     assert "rows checked byte for byte" in out and "[512, 64]" in out
 
 
+def test_demo_says_what_each_shown_step_ran():
+    """The line the demo prints for a step names what ran; without CUDA a rerun by capture
+    (NOTE [rerun by capture]) is the step run again eagerly, nothing captured."""
+    from graphstash.graph import GraphStepStats
+
+    before = GraphStepStats()
+    rerun = GraphStepStats(capture_reruns=1)
+    assert demo._what_ran(before, rerun, on_gpu=True) == \
+        "stash overflow: captured again with a grown stash, replayed"
+    assert demo._what_ran(before, rerun, on_gpu=False) == \
+        "stash overflow: run again with a grown stash"
+    assert demo._what_ran(before, GraphStepStats(eager_reruns=1), on_gpu=True) == \
+        "over budget or overflow: rerun eagerly, dropless"
+    assert demo._what_ran(before, GraphStepStats(), on_gpu=False) == "eager"
+
+
 # ---- the memory command ------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["stash", pytest.param("budget", marks=pytest.mark.slow),
                                   pytest.param("dropless", marks=pytest.mark.slow)])

@@ -169,8 +169,9 @@ def _what_ran(before, after, on_gpu: bool) -> str:
         return "eager"
     if after.eager_reruns > before.eager_reruns:
         return "over budget or overflow: rerun eagerly, dropless"
-    if after.capture_reruns > before.capture_reruns:
-        return "stash overflow: captured again with a grown stash, replayed"
+    if after.capture_reruns > before.capture_reruns:     # NOTE [rerun by capture]
+        return ("stash overflow: captured again with a grown stash, replayed" if on_gpu
+                else "stash overflow: run again with a grown stash")
     if after.captures > before.captures:
         return "captured and replayed"
     if after.replays > before.replays:
