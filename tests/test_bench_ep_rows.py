@@ -23,6 +23,8 @@ every row finishes and reports its columns, under balanced and skewed routing.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -306,6 +308,51 @@ def test_bench_loop_measures_every_row_on_two_gloo_ranks():
     from _ranks import run_ranks
 
     run_ranks(_bench_loop_ranks, 2)
+
+
+def _no_exchange_ranks(rank: int, world: int):
+    """The ``no exchange`` row as the bench builds it, three steps on each of two gloo ranks:
+    no collective at all (NOTE [no-exchange row]). Where ranks share one GPU the world's
+    group is gloo's, and a captured step cannot hold a gloo collective."""
+    import torch.distributed as dist
+
+    from graphstash.tools.bench.ep_rows import build_row
+    from graphstash.tools.training import batches as make_batches
+    from graphstash.tools.training import quiet_cpu_graph_step
+
+    torch.set_num_threads(1)
+    run = build_row("no exchange", _config(), torch.device("cpu"), torch.float32,
+                    world_size=world, group=dist.group.WORLD)
+    called = []
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single",
+             "broadcast", "barrier", "reduce_scatter_tensor")
+    saved = {n: getattr(dist, n) for n in names}
+
+    def recorder(name):
+        def call(*args, **kwargs):
+            called.append(name)
+            return saved[name](*args, **kwargs)
+        return call
+
+    for n in names:
+        setattr(dist, n, recorder(n))
+    try:
+        with quiet_cpu_graph_step(False):
+            losses = [float(run.step(x, y)) for x, y in
+                      make_batches(_config(), CALLS, seed=4321 + rank, device="cpu",
+                                   dtype=torch.float32)]
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    assert run.graph is not None and run.graph.stats.steps == CALLS, run.graph.stats
+    assert called == [], f"rank {rank}: the no-exchange row ran {called}"
+    assert all(math.isfinite(v) for v in losses), losses
+
+
+def test_the_no_exchange_row_runs_no_collective():
+    from _ranks import run_ranks
+
+    run_ranks(_no_exchange_ranks, 2)
 
 
 def _profile_ranks(rank: int, world: int):

@@ -212,9 +212,13 @@ def build_row(row: str, config: MoEConfig, device: torch.device, dtype: torch.dt
     if not graphed:
         return TrainingRun(model, opt, routed_step(model, eager_step(forward_backward, opt)),
                            None)
+    # a rank of the no-exchange row talks to no other: its flags stay its own (NOTE
+    # [no-exchange row]); a collective over the world would be gloo's where ranks share a GPU,
+    # and a capture cannot hold one
     train_step = graph_step(forward_backward, optimizer=opt, warmup=warmup, device=device,
                             stash=stash if row == "live rows + stash" else None,
-                            release_warmup_cache=release_warmup_cache)
+                            release_warmup_cache=release_warmup_cache,
+                            distributed="auto" if row not in LOCAL_ROWS else False)
     if transport is not None:
         train_step.step_status.register_reducer(transport)
     return TrainingRun(model, opt, routed_step(model, train_step), train_step)
