@@ -332,6 +332,18 @@ extern "C" __global__ void __launch_bounds__(GS_THREADS)
 // row: one launch moves a row and its weight. Each block ends with __syncthreads and one
 // __threadfence_system (NOTE [exchange signals]) and adds its bytes and rows to the state, one
 // atomic per counter.
+//
+// NOTE [push order]: a dispatch's items are its send slots, ordered by global expert, so by
+// receiving rank, 0 first, on every rank alike (NOTE [live-row exchange layout]). Taken in
+// that order, the resident blocks of every rank write into the same receiver at the same
+// time: one rank's links take the whole machine's traffic while the others idle (four H100,
+// 64 k rows of 4 KiB each way: 192 GB/s, 0.49 of a plain copy to one peer, and no faster on
+// 132 SMs than on 16; docs/exchange.md, "Four GPUs"). So the grid walks the items
+// interleaved: loop step i takes segment (i % W + me + 1) % W of W equal segments (q =
+// ceil(n / W) items each), item i / W within it. Where the items are grouped by receiver,
+// every window of consecutive steps then writes into every rank alike, and ranks start on
+// different receivers. Each item is still moved once; only the order changes (a row's place
+// in its receiver does not depend on it).
 // ---------------------------------------------------------------------------------------
 struct PushItem {
     int peer, row, src, src2;
@@ -391,11 +403,21 @@ __device__ void push_impl(const long long* __restrict__ table, long long* state,
     const unsigned long long row_bytes = static_cast<unsigned long long>(vec_per_row) * sizeof(V);
     unsigned long long local = 0, remote = 0;
     unsigned int moved = 0;
-    PushItem next = push_item(first, n, src_index, extra_index, dest_peer, dest_row);
-    for (int item = first; item < n; item += groups) {
+    // loop step i moves item (i % W + me + 1) % W * q + i / W, not item i (NOTE [push
+    // order]); an item >= n is none
+    // (32-bit: n < 2^31, so q * W and i + groups stay below 2^32)
+    const unsigned int uw = static_cast<unsigned int>(W);
+    const unsigned int q = (static_cast<unsigned int>(n) + uw - 1) / uw;
+    const unsigned int span = q * uw;
+    const unsigned int shift = static_cast<unsigned int>(me) + 1;
+    auto item_at = [&](unsigned int i) -> long long {
+        const unsigned int k = i / uw;
+        return static_cast<long long>((i - k * uw + shift) % uw) * q + k;
+    };
+    PushItem next = push_item(item_at(first), n, src_index, extra_index, dest_peer, dest_row);
+    for (unsigned int i = first; i < span; i += groups) {
         const PushItem it = next;
-        next = push_item(static_cast<long long>(item) + groups, n, src_index, extra_index,
-                         dest_peer, dest_row);
+        next = push_item(item_at(i + groups), n, src_index, extra_index, dest_peer, dest_row);
         if (it.peer < 0 || it.peer >= W || it.row < lo || it.row >= hi || it.row - lo >= capacity
             || it.src < 0 || it.src >= src_rows)
             continue;
