@@ -408,6 +408,10 @@ def _profile_ranks(rank: int, world: int):
         # the main table's row, then one line per rank: rank, kernel ms, kernels, the shares
         assert [line[2:4] for line in lines[1:]] == [["0", "0.33"], ["1", "0.40"]], lines
         assert lines[1][5:10] == ["20.0%", "60.0%", "0.0%", "20.0%", "0.0%"], lines
+        # each kind of exchange kernel, the largest over the ranks: rank 1's 200 us in 3 calls
+        exchange = [line for line in text.splitlines() if ": exchange kernels," in line]
+        assert [line.split(":")[0] for line in exchange] == list(rows), exchange
+        assert all(line.endswith("): push 0.07, nccl 0.07") for line in exchange), exchange
     else:
         assert text == ""                                      # rank 0 prints
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from graphstash.tools.bench.kernel_share import GROUPS, kernel_group, shares
+from graphstash.tools.bench.kernel_share import (EXCHANGE_KERNELS, GROUPS, exchange_kernel,
+                                                 kernel_group, shares)
 
 NAMES = {
     "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::"
@@ -73,7 +74,33 @@ def test_shares_of_the_summed_kernel_time():
 
 def test_no_kernels_recorded_gives_no_shares():
     assert shares([], steps=3) == {"kernel_ms_per_step": 0.0, "kernels_per_step": 0.0,
-                                   "shares": None}
+                                   "shares": None, "exchange_ms": {}}
+
+
+KINDS = {"gs_xchg_push_v16": "push", "gs_xchg_push_v2": "push", "gs_xchg_barrier": "barrier",
+         "gs_xchg_counts": "counts", "gs_xchg_map": "map", "gs_xchg_flags": "flags",
+         "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": "nccl",
+         "nvshmemi_transfer_kernel": "nvshmem", "gs_exchange_something_new": "other",
+         "grouped_rows": None, "gs_moe_combine_v": None}
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_exchange_kernels_by_kind(name):
+    assert exchange_kernel(name) == KINDS[name]
+
+
+def test_exchange_ms_splits_the_exchange_by_kind():
+    """``exchange_ms``: each kind's ms per step, in :data:`EXCHANGE_KERNELS` order, summing
+    to the exchange group's time; kinds that did not run are left out."""
+    kernels = [("gs_xchg_barrier", 300.0), ("gs_xchg_push_v16", 1200.0),
+               ("gs_xchg_push_v8", 600.0), ("gs_xchg_counts", 90.0), ("grouped_rows", 5000.0),
+               ("gs_xchg_barrier", 150.0)]
+    got = shares(kernels, steps=3)
+    assert got["exchange_ms"] == {"push": pytest.approx(0.6), "barrier": pytest.approx(0.15),
+                                  "counts": pytest.approx(0.03)}
+    assert list(got["exchange_ms"]) == [k for k in EXCHANGE_KERNELS if k in got["exchange_ms"]]
+    summed = sum(got["exchange_ms"].values())
+    assert summed == pytest.approx(got["shares"]["exchange"] * got["kernel_ms_per_step"])
 
 
 def test_bad_arguments_are_named():

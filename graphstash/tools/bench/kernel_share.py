@@ -19,6 +19,11 @@ each rank's calls of each row, and prints the share of the summed kernel time in
   (``_foreach_copy_``: graph_step staging the batch) count as ``rest``;
 - ``rest``: everything else (dispatch, combine, activations, norms, copies, memsets).
 
+Within the exchange, ``exchange_ms`` gives each kind of exchange kernel its milliseconds per
+step (:func:`exchange_kernel`: the push, the barriers, the counts, the map, the flags, NCCL's,
+NVSHMEM's), so a step's exchange time splits into moving rows and waiting for the peers (a
+barrier's time is mostly its wait).
+
 Shares are of the summed kernel time, not of the step's wall time: kernels of side streams
 that overlap count in full, idle gaps not at all; ``kernel_ms_per_step`` beside the step time
 shows how much of the step the kernels fill.
@@ -33,6 +38,11 @@ GROUPS = ("exchange", "grouped GEMM", "other GEMM", "optimizer", "rest")
 _EXCHANGE = ("gs_xchg", "gs_exchange", "nccl", "nvshmem")
 _GROUPED = ("groupproblemshape", "ptrarray", "grouped")
 _DENSE = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul")
+# the kinds of exchange kernel, by a piece of their name (first match)
+_EXCHANGE_KINDS = (("gs_xchg_push", "push"), ("gs_xchg_barrier", "barrier"),
+                   ("gs_xchg_counts", "counts"), ("gs_xchg_map", "map"),
+                   ("gs_xchg_flags", "flags"), ("nccl", "nccl"), ("nvshmem", "nvshmem"))
+EXCHANGE_KERNELS = tuple(kind for _, kind in _EXCHANGE_KINDS) + ("other",)
 
 
 def kernel_group(name: str) -> str:
@@ -52,20 +62,41 @@ def kernel_group(name: str) -> str:
     return "rest"
 
 
+def exchange_kernel(name: str) -> str | None:
+    """The kind of exchange kernel (one of :data:`EXCHANGE_KERNELS`) the CUDA kernel called
+    ``name`` is, or None when it is not in the ``exchange`` group."""
+    if kernel_group(name) != "exchange":
+        return None
+    low = name.lower()
+    for key, kind in _EXCHANGE_KINDS:
+        if key in low:
+            return kind
+    return "other"
+
+
 def shares(kernels: Iterable[tuple[str, float]], steps: int) -> dict:
     """Figures of ``steps`` profiled steps from ``(kernel name, device microseconds)`` pairs:
     ``{"kernel_ms_per_step", "kernels_per_step", "shares": {group: fraction of the summed
-    kernel time}}``; ``shares`` is None when no kernel was recorded."""
+    kernel time}, "exchange_ms": {kind: ms per step}}``; ``shares`` is None when no kernel was
+    recorded; ``exchange_ms`` has the kinds of :data:`EXCHANGE_KERNELS` that ran, in that
+    order."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps: expected a positive int, got {steps!r}")
     total = {group: 0.0 for group in GROUPS}
+    exchange = {kind: 0.0 for kind in EXCHANGE_KERNELS}
+    ran = set()
     count = 0
     for name, us in kernels:
         total[kernel_group(name)] += float(us)
+        kind = exchange_kernel(name)
+        if kind is not None:
+            exchange[kind] += float(us)
+            ran.add(kind)
         count += 1
     summed = sum(total.values())
     return {"kernel_ms_per_step": summed / 1e3 / steps, "kernels_per_step": count / steps,
-            "shares": {g: t / summed for g, t in total.items()} if summed > 0 else None}
+            "shares": {g: t / summed for g, t in total.items()} if summed > 0 else None,
+            "exchange_ms": {k: exchange[k] / 1e3 / steps for k in EXCHANGE_KERNELS if k in ran}}
 
 
 def profile_steps(fn: Callable[[], object], steps: int = 3) -> dict:

@@ -67,7 +67,7 @@ from . import moe_setup
 from .moe_setup import DEFAULT_PREFETCH
 from .ep_rows import (LOCAL_ROWS, PEER_ROWS, ROWS, TRANSPORT_ROWS, build_row, transport_bytes,
                       transport_sizes, unavailable)
-from .kernel_share import GROUPS, profile_steps
+from .kernel_share import EXCHANGE_KERNELS, GROUPS, profile_steps
 from .peak_call import PeakCalls, describe, highest
 from .spread import range_text, spread
 from .timing import event_ms
@@ -543,6 +543,24 @@ def print_profile(out: Output, results: dict) -> None:
     out.whole(PROFILE_COLUMNS, rows)
     out.note("shares of the rank's summed kernel time, kernels grouped by name "
              "(graphstash/tools/bench/kernel_share.py; exchange: gs_xchg_* and NCCL kernels)")
+    for line in exchange_lines(results):
+        out.note(line)
+
+
+def exchange_lines(results: dict) -> list[str]:
+    """One line per profiled row that ran exchange kernels: each kind's ms per step
+    (:func:`~graphstash.tools.bench.kernel_share.exchange_kernel`), the largest over the
+    ranks (``results``: rows as :func:`run_rank` gives them, with ``--profile``)."""
+    lines = []
+    for row, r in results.items():
+        ranks = [k.get("exchange_ms") or {} for k in r.get("kernels") or []]
+        kinds = [kind for kind in EXCHANGE_KERNELS if any(kind in e for e in ranks)]
+        if kinds:
+            parts = ", ".join(f"{kind} {max(e.get(kind, 0.0) for e in ranks):.2f}"
+                              for kind in kinds)
+            lines.append(f"{row}: exchange kernels, ms per step (the largest over the ranks; "
+                         f"a barrier's time is mostly its wait for the peers): {parts}")
+    return lines
 
 
 def print_table(name: str, entry: dict, out: Output | None = None) -> None:
