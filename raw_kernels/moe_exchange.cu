@@ -404,8 +404,8 @@ __device__ void push_impl(const long long* __restrict__ table, long long* state,
     unsigned long long local = 0, remote = 0;
     unsigned int moved = 0;
     // loop step i moves item (i % W + me + 1) % W * q + i / W, not item i (NOTE [push
-    // order]); an item >= n is none
-    // (32-bit: n < 2^31, so q * W and i + groups stay below 2^32)
+    // order]); an item >= n is none. Unsigned 32-bit: n < 2^31, so q * W and i + groups stay
+    // below 2^32
     const unsigned int uw = static_cast<unsigned int>(W);
     const unsigned int q = (static_cast<unsigned int>(n) + uw - 1) / uw;
     const unsigned int span = q * uw;
