@@ -125,6 +125,15 @@ def _fmt(value, spec: str) -> str:
     return "–" if value is None or value != value else format(value, spec)
 
 
+def _push_barrier(split: list) -> str:
+    """The push's and the barriers' ms per step, each the largest over the ranks (``split``:
+    each rank's ``exchange_ms`` from ``--profile``), or a dash where none ran."""
+    if not any("push" in e or "barrier" in e for e in split):
+        return "–"
+    push, barrier = (max(e.get(kind, 0.0) for e in split) for kind in ("push", "barrier"))
+    return f"{push:.2f} / {barrier:.2f}"
+
+
 def table(args) -> int:
     found = {}
     for name in sorted(os.listdir(args.dir)):
@@ -137,9 +146,9 @@ def table(args) -> int:
     for preset in sorted({k[0] for k in found}):
         print(f"\n### {preset}\n")
         print("| EP | layers | routing | row | step ms | peer / row | act MiB | act / peer "
-              "| sent MiB | exchange share | row / no exchange "
+              "| sent MiB | exchange share | push / barrier ms | row / no exchange "
               "| over budget / reruns / recaptures |")
-        print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         keys = sorted((k for k in found if k[0] == preset), key=lambda k: (k[1], k[2]))
         for key in keys:
             config, _, rows = found[key]
@@ -152,6 +161,7 @@ def table(args) -> int:
                 shares = [k["shares"].get("exchange") for k in (r.get("kernels") or [])
                           if k and k.get("shares")]
                 act, peer_act = r.get("activation_peak_mib"), peer.get("activation_peak_mib")
+                split = [k.get("exchange_ms") or {} for k in (r.get("kernels") or []) if k]
                 print(f"| {key[1]} | {config['layers']} | {key[2]} | {name} "
                       f"| {_fmt(r['step_ms'], '.2f')} "
                       f"| {_fmt(peer.get('step_ms', float('nan')) / r['step_ms'], '.2f')}x "
@@ -159,6 +169,7 @@ def table(args) -> int:
                       f"| {_fmt(act / peer_act if act and peer_act else None, '.2f')} "
                       f"| {_fmt(r.get('sent_mib', r.get('exchanged_mib')), '.1f')} "
                       f"| {_fmt(max(shares) if shares else None, '.1%')} "
+                      f"| {_push_barrier(split)} "
                       f"| {_fmt(r['step_ms'] / local if local else None, '.3f')} "
                       f"| {r['over_budget']:.0f} / {r['reruns']:.0f} / {r['recaptures']:.0f} |")
         eps = sorted({k[1] for k in keys if k[1] > 1})

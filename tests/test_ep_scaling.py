@@ -59,7 +59,8 @@ def _ep_json(path, ep, peer_ms, live_ms, peer_act, live_act, share, local_ms=Non
         return {"step_ms": ms, "activation_peak_mib": act, "sent_mib": 100.0,
                 "over_budget": 1, "reruns": 1, "recaptures": 0,
                 "kernels": kernels}
-    kernels = [{"shares": {"exchange": share / 2}}, {"shares": {"exchange": share}}]
+    kernels = [{"shares": {"exchange": share / 2}, "exchange_ms": {"push": 3.0, "barrier": 2.5}},
+               {"shares": {"exchange": share}, "exchange_ms": {"push": 4.0, "barrier": 1.0}}]
     entry = {"config": {"layers": 8, "routing": "balanced"},
              "ep": {"world_size": ep},
              "results": {"eager peer": row(peer_ms, peer_act, None),
@@ -86,12 +87,13 @@ def test_table_of_the_benches(tmp_path, capsys):
     by = {(r[0], r[3]): r for r in rows}
     assert {k[1] for k in by if k[0] == "1"} == {"eager peer", "live rows", "live rows + stash"}
     live4 = by[("4", "live rows")]
-    assert live4[4:] == ["55.00", "2.00x", "240", "0.20", "100.0", "40.0%", "1.250",
-                         "1 / 1 / 0"], live4
-    assert by[("4", "no exchange")][4:11] == ["44.00", "2.50x", "240", "0.20", "100.0", "–",
-                                              "1.000"]
-    assert by[("2", "eager peer")][9] == "–"             # no profile: no share
-    assert by[("2", "live rows")][10] == "–"             # no no-exchange row there
+    # push and barrier: each the largest over the ranks
+    assert live4[4:] == ["55.00", "2.00x", "240", "0.20", "100.0", "40.0%", "4.00 / 2.50",
+                         "1.250", "1 / 1 / 0"], live4
+    assert by[("4", "no exchange")][4:12] == ["44.00", "2.50x", "240", "0.20", "100.0", "–",
+                                              "–", "1.000"]
+    assert by[("2", "eager peer")][9:11] == ["–", "–"]   # no profile: no share, no split
+    assert by[("2", "live rows")][11] == "–"             # no no-exchange row there
     assert ("2", "no exchange") not in by                # its error: no line
     assert "- balanced, EP 4 / 2: eager peer 1.100, live rows 1.100" in out
 
