@@ -15,7 +15,15 @@ several shapes of copy kernel:
 ``hidden`` is the share of the copy's own time that disappears when it runs beside the
 GEMMs: ``(gemm + copy - both) / copy``; ``gemm x`` is how much the GEMM chain slows down.
 
-Usage: ``python benchmarks/probes/overlap_probe.py [--copy-mib 1024] [--gemms 24] [--reps 10]``.
+With ``--carveout N[,M...]`` it also measures, for each ``N``, the GEMM chain captured while
+``torch._C._set_sm_carveout_experimental(N)`` holds (torch's CUTLASS grouped GEMM then sizes
+its persistent grid to the multiprocessors less ``N``), alone and beside the 512-thread vector
+copy on ``N`` blocks: whether a copy, or an exchange's push, given the SMs the GEMM leaves
+free, runs beside it instead of taking turns (``gemm x`` there is against the chain without
+a carveout).
+
+Usage: ``python benchmarks/probes/overlap_probe.py [--copy-mib 1024] [--gemms 24] [--reps 10]
+[--carveout 16,32]``.
 Needs a CUDA GPU of compute capability 9.x (``torch._grouped_mm`` in bf16) and CuPy.
 """
 from __future__ import annotations
@@ -79,7 +87,10 @@ def main(argv=None) -> None:
     parser.add_argument("--ffn", type=int, default=2048)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--carveout", default="",
+                        help="comma-separated SM counts the GEMMs leave to the copy")
     args = parser.parse_args(argv)
+    carveouts = [int(c) for c in args.carveout.split(",") if c.strip()]
     import cupy
 
     dev = torch.device("cuda")
@@ -123,6 +134,42 @@ def main(argv=None) -> None:
         both_ms = _graph_ms([gemms, copy], args.reps)
         hidden = (gemm_ms + copy_ms - both_ms) / copy_ms
         print(f"{label:<44}{fn.num_regs:>5}{fn.shared_size_bytes + smem:>7}{copy_ms:>9.3f}"
+              f"{2 * nbytes / copy_ms / 1e6:>7.0f}{both_ms:>9.3f}{hidden:>8.2f}"
+              f"{both_ms / gemm_ms:>8.2f}  {equal}")
+    if carveouts:
+        _carveouts(carveouts, gemms, gemm_ms, src, dst, nbytes, stream, args.reps, sms)
+
+
+def _carveouts(carveouts, gemms, gemm_ms, src, dst, nbytes, stream, reps, sms) -> None:
+    """The GEMM chain with ``N`` SMs carved out, alone and beside the vector copy on ``N``
+    blocks, for each ``N`` of ``carveouts`` (module docstring)."""
+    import cupy
+
+    if not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        print("carveout: this torch has no torch._C._set_sm_carveout_experimental")
+        return
+    fn = _copy_module(8, 4096, 0, 512, 1).get_function("vector_copy")
+    print(f"\n{'carveout':>8}{'gemm ms':>9}{'gemm x':>8}{'copy ms':>9}{'GB/s':>7}{'both ms':>9}"
+          f"{'hidden':>8}{'both x':>8}  equal")
+    for n in carveouts:
+        if not 0 < n < sms:
+            print(f"{n:>8}  skipped: a carveout is 1 to {sms - 1} SMs here")
+            continue
+
+        def copy(n=n):
+            with stream():
+                fn((n,), (512,), (src.data_ptr(), dst.data_ptr(), cupy.int64(nbytes // 16)))
+        torch._C._set_sm_carveout_experimental(n)
+        try:
+            carved_ms = _graph_ms([gemms], reps)
+            dst.zero_()
+            copy_ms = _graph_ms([copy], reps)
+            equal = bool(torch.equal(dst, src))
+            both_ms = _graph_ms([gemms, copy], reps)
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+        hidden = (carved_ms + copy_ms - both_ms) / copy_ms
+        print(f"{n:>8}{carved_ms:>9.3f}{carved_ms / gemm_ms:>8.2f}{copy_ms:>9.3f}"
               f"{2 * nbytes / copy_ms / 1e6:>7.0f}{both_ms:>9.3f}{hidden:>8.2f}"
               f"{both_ms / gemm_ms:>8.2f}  {equal}")
 
