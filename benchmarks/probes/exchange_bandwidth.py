@@ -23,6 +23,15 @@ skewed counts) every method moves the same rows:
 - ``vdev`` (``--methods vdev`` alone: it needs the NVSHMEM backend, the others the CUDA one):
   torch symmetric memory's ``all_to_all_vdev``, or the error that stops it.
 
+With ``--beside-gemm``, for each ``N`` of ``--push-blocks`` and the first row width, the most
+rows and balanced counts: a chain of ``--gemms`` grouped GEMMs (``torch._grouped_mm``,
+``[rows, hidden] x [experts, hidden, 2 x ffn]`` bf16, the first expert GEMM of a layer) alone,
+the same chain captured under ``torch._C._set_sm_carveout_experimental(N)`` (the GEMM leaves
+``N`` multiprocessors), the push on ``N`` blocks alone, and the carved chain and the push
+forked onto two streams in one graph: ``hidden`` is the share of the push's time that
+disappears beside the chain, ``(carved + push - both) / push``, and ``both / apart`` the forked
+time over the uncarved chain and the push one after the other (below 1: the overlap pays).
+
 Each method is captured in a CUDA graph of ``--inner`` calls (``vdev``: ``--inner`` eager calls)
 and replayed ``--reps`` times after a barrier; a rep's time is the slowest rank's. GB/s: the
 bytes a rank sends to other ranks (the largest over the ranks) over that time; ``copy_out``
@@ -31,6 +40,8 @@ call (torch.profiler's trace), capped at the device's multiprocessors.
 
     torchrun --nproc-per-node 2 benchmarks/probes/exchange_bandwidth.py --json bw.json
     torchrun --nproc-per-node 2 benchmarks/probes/exchange_bandwidth.py --methods vdev
+    torchrun --nproc-per-node 4 benchmarks/probes/exchange_bandwidth.py --rows 65536 \
+        --row-bytes 4096 --methods ceiling,push --beside-gemm --experts 32
 """
 from __future__ import annotations
 
@@ -191,6 +202,64 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
     return out
 
 
+def beside_gemm(row_bytes: int, rows: int, blocks: list[int], transport, group, reps: int,
+                inner: int, gemms: int, experts: int, ffn: int) -> list[dict]:
+    """The push beside a chain of expert GEMMs with ``N`` SMs carved out, for each ``N`` of
+    ``blocks`` (module docstring, ``--beside-gemm``): one dict per ``N``."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device())
+    width = row_bytes // 2
+    per_dest = dest_counts(rows, world, "balanced")
+    gen = torch.Generator(device=device).manual_seed(rank * 7919 + rows)
+    src = torch.randn(rows, width, device=device, generator=gen).to(torch.bfloat16)
+    token = torch.randperm(rows, device=device, generator=gen).to(torch.int32)
+    peer = torch.repeat_interleave(torch.arange(world, device=device, dtype=torch.int32),
+                                   torch.tensor(per_dest, device=device))
+    start = torch.cumsum(torch.tensor([0] + per_dest[:-1]), 0)
+    dest = (torch.arange(rows) - start.repeat_interleave(torch.tensor(per_dest))
+            + rank * torch.tensor(per_dest).repeat_interleave(torch.tensor(per_dest))
+            ).to(torch.int32).to(device)
+    count = torch.tensor([rows], dtype=torch.int32, device=device)
+    x = torch.randn(rows, width, device=device, generator=gen).to(torch.bfloat16)
+    w = torch.randn(experts, 2 * ffn, width, device=device, generator=gen).to(torch.bfloat16)
+    offs = (torch.arange(1, experts + 1, device=device, dtype=torch.int32) * (rows // experts))
+
+    def chain():
+        for _ in range(gemms):
+            torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+    side = torch.cuda.Stream()
+    flops = 2.0 * rows * width * 2 * ffn * gemms
+    full_ms = _graph_ms(chain, reps, inner, group)
+    out = []
+    for n in blocks:
+        push = _push(transport, n, src, token, peer, dest, count)
+
+        def both(push=push):
+            here = torch.cuda.current_stream()
+            side.wait_stream(here)
+            with torch.cuda.stream(side):
+                push()
+            chain()
+            here.wait_stream(side)
+        push_ms = _graph_ms(push, reps, inner, group)
+        torch._C._set_sm_carveout_experimental(n)
+        try:
+            carved_ms = _graph_ms(chain, reps, inner, group)
+            both_ms = _graph_ms(both, reps, inner, group)
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+        out.append({"row_bytes": row_bytes, "rows": rows, "blocks": n, "gemm_ms": full_ms,
+                    "gemm_tflops": flops / full_ms / 1e9, "carved_gemm_ms": carved_ms,
+                    "push_ms": push_ms, "both_ms": both_ms,
+                    "hidden": (carved_ms + push_ms - both_ms) / push_ms,
+                    "both_over_apart": both_ms / (full_ms + push_ms)})
+    transport.push_blocks = 0
+    return out
+
+
 def _received(fn, transport, width: int, received: int, group) -> torch.Tensor:
     """The rows one call of the push ``fn`` leaves in this rank's region, cleared before."""
     import torch.distributed as dist
@@ -316,6 +385,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--inner", type=int, default=10)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--beside-gemm", action="store_true",
+                        help="also the push on N blocks beside expert GEMMs with N SMs carved out")
+    parser.add_argument("--gemms", type=int, default=1, help="GEMMs in the chain (--beside-gemm)")
+    parser.add_argument("--experts", type=int, default=32, help="experts of the chain's GEMMs")
+    parser.add_argument("--ffn", type=int, default=768, help="expert ffn width (2 x ffn columns)")
     args = parser.parse_args()
     methods = tuple(m for m in args.methods.split(",") if m)
     unknown = sorted(set(methods) - set(METHODS) - {"vdev"})
@@ -364,9 +438,29 @@ def main() -> None:
                                         args.inner))
                 if dist.get_rank() == 0:
                     print(json.dumps(results[-1]), flush=True)
+    beside = []
+    if args.beside_gemm:
+        if transport is None or not args.push_blocks:
+            parser.error("--beside-gemm: needs the push method and --push-blocks")
+        if not hasattr(torch._C, "_set_sm_carveout_experimental"):
+            parser.error("--beside-gemm: this torch has no torch._C._set_sm_carveout_experimental")
+        beside = beside_gemm(row_bytes[0], max(rows),
+                             [int(b) for b in args.push_blocks.split(",") if b], transport,
+                             group, args.reps, args.inner, args.gemms, args.experts, args.ffn)
     if transport is not None:
         transport.check()
         transport.close()
+    if dist.get_rank() == 0 and beside:
+        first = beside[0]
+        print(f"\nthe push beside {args.gemms} grouped GEMM(s) [{first['rows']}, "
+              f"{first['row_bytes'] // 2}] x [{args.experts}, {first['row_bytes'] // 2}, "
+              f"{2 * args.ffn}] bf16: {first['gemm_ms']:.3f} ms alone "
+              f"({first['gemm_tflops']:.0f} TFLOP/s); balanced counts")
+        print(f"{'blocks':>6}{'carved ms':>10}{'push ms':>9}{'both ms':>9}{'hidden':>8}"
+              f"{'both / apart':>13}")
+        for b in beside:
+            print(f"{b['blocks']:>6}{b['carved_gemm_ms']:>10.3f}{b['push_ms']:>9.3f}"
+                  f"{b['both_ms']:>9.3f}{b['hidden']:>8.2f}{b['both_over_apart']:>13.3f}")
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name(device)
         print(f"\nexchange bandwidth, {dist.get_world_size()} x {name} (GB/s of the bytes a rank "
@@ -386,8 +480,8 @@ def main() -> None:
             print(f"{m}: {e}")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"device": name, "world": dist.get_world_size(), "results": results},
-                          f, indent=1)
+                json.dump({"device": name, "world": dist.get_world_size(), "results": results,
+                           "beside_gemm": beside}, f, indent=1)
     dist.destroy_process_group()
 
 
