@@ -85,7 +85,8 @@ def unavailable(row: str, launch: str, transport: str, config: MoEConfig | None 
     if launch not in LAUNCHES:
         raise ValueError(f"launch: expected one of {LAUNCHES}, got {launch!r}")
     if row in LOCAL_ROWS and config is not None:
-        return _no_exchange_unavailable(config, world_size)
+        why = _no_exchange_unavailable(config, world_size)
+        return None if why is None else f"not available: {why}"
     if row in PEER_ROWS and launch in _NO_GROUP and not (launch == "processes"
                                                          and transport == "gloo"):
         return f"not available: {_NO_GROUP[launch]}"
@@ -95,16 +96,18 @@ def unavailable(row: str, launch: str, transport: str, config: MoEConfig | None 
 
 
 def _no_exchange_unavailable(config: MoEConfig, world_size: int | None) -> str | None:
+    """Why the ``no exchange`` row cannot stand for ``config`` on ``world_size`` ranks, or
+    None (NOTE [no-exchange row])."""
     if world_size is None or world_size < 1:
         raise ValueError(f"world_size: expected an int >= 1 with config, got {world_size!r}")
     routing = parse_routing(config.routing)
     if routing.kind != "balanced":
-        return (f"not available: under routing {routing} the rows a rank receives depend on "
-                "every rank's routing (NOTE [no-exchange row]); balanced routing only")
+        return (f"under routing {routing} the rows a rank receives depend on every rank's "
+                "routing (NOTE [no-exchange row]); balanced routing only")
     local = config.num_experts // world_size
     if config.topk > local:
-        return (f"not available: top-{config.topk} of a rank's {local} experts "
-                f"({config.num_experts} over {world_size} ranks)")
+        return (f"top-{config.topk} of a rank's {local} experts ({config.num_experts} over "
+                f"{world_size} ranks)")
     return None
 
 
@@ -116,7 +119,7 @@ def no_exchange_config(config: MoEConfig, world_size: int) -> MoEConfig:
                          f"{world_size} ranks")
     why = _no_exchange_unavailable(config, world_size)
     if why is not None:
-        raise ValueError(f"config: {why[len('not available: '):]}")
+        raise ValueError(f"config: {why}")
     return dataclasses.replace(config, num_experts=config.num_experts // world_size)
 
 

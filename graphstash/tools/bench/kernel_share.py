@@ -83,20 +83,19 @@ def shares(kernels: Iterable[tuple[str, float]], steps: int) -> dict:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps: expected a positive int, got {steps!r}")
     total = {group: 0.0 for group in GROUPS}
-    exchange = {kind: 0.0 for kind in EXCHANGE_KERNELS}
-    ran = set()
+    exchange: dict[str, float] = {}
     count = 0
     for name, us in kernels:
         total[kernel_group(name)] += float(us)
         kind = exchange_kernel(name)
         if kind is not None:
-            exchange[kind] += float(us)
-            ran.add(kind)
+            exchange[kind] = exchange.get(kind, 0.0) + float(us)
         count += 1
     summed = sum(total.values())
     return {"kernel_ms_per_step": summed / 1e3 / steps, "kernels_per_step": count / steps,
             "shares": {g: t / summed for g, t in total.items()} if summed > 0 else None,
-            "exchange_ms": {k: exchange[k] / 1e3 / steps for k in EXCHANGE_KERNELS if k in ran}}
+            "exchange_ms": {k: exchange[k] / 1e3 / steps for k in EXCHANGE_KERNELS
+                            if k in exchange}}
 
 
 def profile_steps(fn: Callable[[], object], steps: int = 3) -> dict:

@@ -32,9 +32,10 @@ eager peer, to the worst-case row and to the no-exchange row, the peak memory ov
 and the timed steps and the activation peak (that peak less parameters, gradients and
 optimizer state), the bytes each rank writes into other ranks per step (device counters of the
 transport over the timed steps; for the peers, what their collectives send, from the split
-sizes, over the warmup steps) and their ratio to the eager peer's, the counts/flags/signals bytes, and the steps flagged over
-budget, overflowed and rerun (all calls of the row; dropless or by capture, NOTE [rerun by
-capture] in ``graphstash/graph/_step.py``: ``"dropless_reruns"`` in the JSON are the first).
+sizes, over the warmup steps) and their ratio to the eager peer's, the counts/flags/signals
+bytes, and the steps flagged over budget, overflowed and rerun (all calls of the row;
+dropless or by capture, NOTE [rerun by capture] in ``graphstash/graph/_step.py``:
+``"dropless_reruns"`` in the JSON are the first).
 Figures are the largest over the ranks.
 Under the table, on CUDA: which call set each row's peak, and whether it was a rerun, a
 capture or a replay (NOTE [peak call] in ``peak_call.py``; ``"peak_call"`` in the JSON).
