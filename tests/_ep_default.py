@@ -5,6 +5,8 @@ run by each rank (gloo ranks on the CPU in test_moe_ep_default.py, one rank per 
 test_moe_ep_default_gpu.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -65,36 +67,67 @@ def gathered_grads(model: MoEModel, rank: int, world: int) -> dict:
     return grads
 
 
+def saved_row_counts(model, x) -> list[int]:
+    """The row counts of the ``[rows, hidden]`` tensors (parameters left out) autograd saves in
+    one forward of ``model`` on tokens ``x`` (``[T, hidden]``), sorted (repeats kept)."""
+    rows = []
+    params = {p.data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        if t.dim() == 2 and t.shape[1] == H and t.data_ptr() not in params:
+            rows.append(t.shape[0])
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sorted(rows)
+
+
 def default_path_case(rank: int, world: int, device: torch.device, dtypes) -> dict:
     """For each dtype in ``dtypes`` (the model is moved to each in turn, so the exchange is
-    built and then rebuilt): outputs and every gradient of ``MoEModel(config, group=g)``
-    equal NCCL's chunks and the one-device reference."""
+    built and then rebuilt): outputs and every gradient of ``MoEModel(config, group=g)``, and
+    of the same with ``resend_rows=True`` (NOTE [resent rows]), equal NCCL's chunks and the
+    one-device reference; the resent model keeps no received rows, the default one a
+    ``[budget, hidden]`` tensor per layer."""
     config = config_for(world)
     group = dist.group.WORLD
     model = MoEModel(config, group=group, seed=3)              # README: build, then move
-    kinds = []
+    resent = MoEModel(dataclasses.replace(config, resend_rows=True), group=group, seed=3)
+    kinds, resent_kinds = [], []
     for dtype in dtypes:
-        model = model.to(device, dtype)
+        model, resent = model.to(device, dtype), resent.to(device, dtype)
         chunks = MoEModel(config, group=group, exchange=None, seed=3).to(device, dtype)
         ref = MoEModel(config, mode="dropless", seed=3).to(device, dtype)
         xs, projs = rank_inputs(rank, world, device, dtype)
-        for m in (model, chunks, ref):
+        for m in (model, resent, chunks, ref):
             m.zero_grad(set_to_none=True)
         out = forward_backward(model, xs[rank], projs[rank])
         kinds.append(model.exchange_kind)
+        out_resent = forward_backward(resent, xs[rank], projs[rank])
+        resent_kinds.append(resent.exchange_kind)
         out_chunks = forward_backward(chunks, xs[rank], projs[rank])
         out_ref = forward_backward(ref, torch.cat(xs), torch.cat(projs)).chunk(world)[rank]
         tol = TOLERANCE[dtype]
         torch.testing.assert_close(out, out_ref, **tol, msg=lambda m: f"output vs reference: {m}")
         torch.testing.assert_close(out, out_chunks, **tol, msg=lambda m: f"output vs chunks: {m}")
-        mine, theirs = gathered_grads(model, rank, world), gathered_grads(chunks, rank, world)
+        torch.testing.assert_close(out_resent, out_ref, **tol,
+                                   msg=lambda m: f"resent output vs reference: {m}")
+        grads = {"default": gathered_grads(model, rank, world),
+                 "resent": gathered_grads(resent, rank, world),
+                 "chunks": gathered_grads(chunks, rank, world)}
         for name, q in ref.named_parameters():
             want = q.grad
             assert want.abs().max() > 1e-3, f"reference gradient of {name} is ~0"
             scale = want.abs().max().item()
-            for got, what in ((mine[name], "default"), (theirs[name], "chunks")):
-                err = (got - want).abs().max().item()
+            for what, got in grads.items():
+                err = (got[name] - want).abs().max().item()
                 limit = GRAD_TOLERANCE[dtype] * scale
                 assert err <= limit, (f"rank {rank} {name} ({what}, {dtype}): max error {err:.3g} "
                                       f"against reference magnitude {scale:.3g}")
-    return {"kinds": kinds, "chunks_kind": chunks.exchange_kind}
+    # what each keeps: the default model one [budget, hidden] received buffer per layer
+    # beside the tokens' [T, hidden] tensors, the resent one only the latter
+    kept, kept_resent = saved_row_counts(model, xs[rank]), saved_row_counts(resent, xs[rank])
+    received = sorted(set(kept) - {T})
+    assert len(received) == 1 and kept.count(received[0]) == config.layers, kept
+    assert set(kept_resent) == {T}, kept_resent
+    return {"kinds": kinds, "resent_kinds": resent_kinds, "chunks_kind": chunks.exchange_kind}

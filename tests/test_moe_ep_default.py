@@ -23,6 +23,7 @@ def test_default_path_built_then_moved_equals_chunks_and_reference():
     for result in run_ranks(_cpu_rank, 2):
         # the exchange is built at the first forward and rebuilt after the move to float64
         assert result == str({"kinds": ["live rows over gloo", "live rows over gloo"],
+                              "resent_kinds": ["live rows over gloo, resent"] * 2,
                               "chunks_kind": "nccl chunks"}), result
 
 

@@ -53,6 +53,9 @@ class MoEConfig:
     chunk_factor: float | None = None   # expert parallel: chunk = factor x average per rank
     gated: bool = False           # SwiGLU experts: w1 is [E, 2 * ffn, hidden] (gate rows, then up)
     routing: str = "balanced"     # router logit bias: NOTE [training-like routing] in routing.py
+    # expert parallel, live rows: push the rows again in backward instead of keeping what
+    # arrived (NOTE [resent rows] in graphstash/moe/exchange/live.py)
+    resend_rows: bool = False
 
     def __post_init__(self):
         for name in ("hidden", "ffn", "num_experts", "topk", "layers", "num_tokens", "heads",
@@ -66,7 +69,7 @@ class MoEConfig:
             _require_float("chunk_factor", self.chunk_factor)
         if self.pad_multiple is not None:
             _require_int("pad_multiple", self.pad_multiple, minimum=1)
-        for name in ("attention", "gated"):
+        for name in ("attention", "gated", "resend_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got "
                                 f"{type(getattr(self, name)).__name__}")
@@ -210,7 +213,10 @@ class MoEModel(nn.Module):
             meets at that forward), and keeps NCCL's fixed chunks where none can be built; a
             :class:`~graphstash.moe.exchange.Transport` to use that one (its ranks are the
             model's; ``group`` may then be None, as for in-process ranks); None for the
-            chunks. :attr:`exchange_kind` says which runs.
+            chunks. :attr:`exchange_kind` says which runs. With ``config.resend_rows`` the
+            live rows are pushed again in backward instead of kept (NOTE [resent rows] in
+            ``graphstash/moe/exchange/live.py``; refused with the chunks or the plain peer;
+            on one device the experts gather their rows again anyway).
         stash_manager: ``graphstash.stash.StashManager`` for ``mode="stash"`` (default: the
             current one, ``graph_step(stash=...)``'s or an enclosing ``with manager:``; with
             none current the experts run unstashed).
@@ -291,16 +297,22 @@ class MoEModel(nn.Module):
         self._layer_budgets = [None] * config.layers if self.budgets is None else \
             [self.budgets.layer(f"blocks.{i}") for i in range(config.layers)]
         self._exchange = None             # LiveRows, or a GroupExchange (NOTE [row exchange])
+        if config.resend_rows and world > 1 and (exchange is None or mode == "plain"):
+            raise ValueError("config.resend_rows: only the live-row exchange pushes rows again "
+                             "(NOTE [resent rows]); NCCL's chunks and the plain peer keep what "
+                             "arrived: pass exchange='auto' or a Transport with a mode other "
+                             "than 'plain', or resend_rows=False")
         if exchange not in (None, "auto"):
             if mode == "plain":
                 raise ValueError("exchange: the plain peer sends its rows with all_to_all; "
                                  "pass exchange=None (or 'auto') with mode='plain'")
-            self._exchange = make_exchange(transport=exchange)
+            self._exchange = make_exchange(transport=exchange, resend=config.resend_rows)
         elif group is not None and mode != "plain" and exchange == "auto":
             self._exchange = make_exchange(
                 group, topk=config.topk, num_experts=config.num_experts,
                 capacity_factor=config.capacity_factor, pad_multiple=config.pad_multiple,
-                num_tokens=config.num_tokens, owner="MoEModel", budgets=self.budgets)
+                num_tokens=config.num_tokens, owner="MoEModel", budgets=self.budgets,
+                resend=config.resend_rows)
         self._warned_unstashed = False
         self.set_routing_step(0)
 

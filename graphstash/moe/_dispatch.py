@@ -120,14 +120,26 @@ class DispatchHandle:
         """True for a one-device dispatch (no expert-parallel exchange)."""
         return self.exchange is None or self.exchange.world_size == 1
 
+    @property
+    def regathers(self) -> bool:
+        """Whether :meth:`regather` can give the permuted rows again: on one device (a
+        gather), or through an exchange that resends them (NOTE [resent rows] in
+        ``graphstash/moe/exchange/live.py``)."""
+        return self.local or bool(getattr(self.exchange, "resends", False))
+
     def regather(self, source: torch.Tensor) -> torch.Tensor:
-        """The permuted rows of ``source`` (``[num_tokens, hidden]``, the dispatched tokens or
-        a tensor of their shape), as the dispatch computed them, without autograd: one gather
-        on one device. Expert parallel dispatches would need the exchange again: refused."""
+        """The permuted rows of ``source`` (``[num_tokens, hidden]``, the dispatched tokens,
+        on their device, in their dtype), as the dispatch computed them, without autograd: one
+        gather on one device; under expert parallelism, the exchange's resend, a collective
+        (NOTE [resent rows]). Other expert-parallel dispatches: refused."""
+        if not self.regathers:
+            raise ValueError("handle: regather() needs a one-device dispatch or an exchange "
+                             "that resends its rows; this one is expert-parallel over "
+                             f"{self.exchange!r}")
+        source = source.detach().contiguous()
         if not self.local:
-            raise ValueError("handle: regather() needs a one-device dispatch; this one is "
-                             "expert-parallel")
-        return _tokens_to_rows(source.detach().contiguous(), self.plan, self.kernels)
+            return self.exchange.resend_rows(source, self.plan, self.kernels)
+        return _tokens_to_rows(source, self.plan, self.kernels)
 
     def check_expert_input(self, x: torch.Tensor) -> None:
         """Refuse (ValueError naming ``handle`` or ``x``) unless ``x`` is the very permuted
@@ -311,7 +323,10 @@ class RowExchange(Protocol):
     region cannot grow may say how many rows a rank receives at most (``capacity_rows``): an
     adaptive budget stops growing there (NOTE [adaptive budgets]). One whose plans can leave
     the rows past the first ``n`` of a rank's budget out (``plan.keep_rows(n)``, for
-    ``dispatch(keep_rows=)``) says so with ``keeps_rows = True``; without it, False. The
+    ``dispatch(keep_rows=)``) says so with ``keeps_rows = True``; without it, False. One that
+    can push a dispatch's rows again in backward (NOTE [resent rows] in
+    ``graphstash/moe/exchange/live.py``) says so with ``resends`` True and does it in
+    ``resend_rows(x, plan, kernels)``; without it, the experts keep what arrived. The
     live-row exchange lives above this
     module, so dispatch knows it only through this protocol and never imports it; a
     :class:`~graphstash.moe.exchange.Transport` given as ``exchange=`` is turned into one by
@@ -698,7 +713,7 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                             hidden=x.shape[1], dtype=x.dtype, device=x.device,
                             kernels=kernels, source=x, exchange=exchange,
                             exchanged_weights=weights)
-    if weights is None:          # rows gathered here (NOTE [regathered input] in mlp.py)
+    if handle.regathers:         # NOTE [regathered input] in mlp.py, NOTE [resent rows]
         handle.source_version = _version(x)
         handle.permuted_ref = weakref.ref(permuted)
         handle.permuted_version = _version(permuted)

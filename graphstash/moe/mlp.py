@@ -25,8 +25,10 @@ tokens, which the step keeps anyway (the router's linear saves them). Given the 
 ``handle``, :func:`expert_mlp` keeps those tokens instead of the ``[rows, hidden]`` permuted
 buffer and gathers it again in backward for the first GEMM's weight gradient: one gather per
 layer in backward buys a budget-sized tensor less per layer, in memory and in what a stash
-copies out and back. Under expert parallelism the rows came through an exchange, so the
-permuted buffer is kept. The gather gives the input only if ``x`` is the very tensor the
+copies out and back. Under expert parallelism the rows came through an exchange: the permuted
+buffer is kept, unless the exchange resends them (NOTE [resent rows] in
+``graphstash/moe/exchange/live.py``), which :meth:`~graphstash.moe.DispatchHandle.regather`
+then does in place of the gather. The gather gives the input only if ``x`` is the very tensor the
 dispatch returned and neither it nor the tokens changed since, so :func:`expert_mlp` refuses
 anything else (a ``dropout(permuted)`` gave weight gradients 25.5 off, tokens modified in
 place between dispatch and the experts 14.2 off): the identity of ``x`` and the version
@@ -237,7 +239,7 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             [regathered input]): x must be the very ``permuted`` tensor that dispatch
             returned, and neither it nor the dispatched tokens may be modified since
             (ValueError naming ``handle`` or ``x`` otherwise). Under expert parallelism x is
-            kept.
+            kept, unless the exchange resends the rows (NOTE [resent rows]).
     Returns ``[rows, hidden_out]``; rows past the counts are unspecified. Differentiable in
     x, w1, w2 and row_weight. Autograd keeps x and the pre-activation, no more (NOTE [expert
     MLP saved tensors]); the elementwise work touches only the rows inside the counts (NOTE
@@ -285,7 +287,7 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     regather = False
     if handle is not None:
         check_handle(handle)
-        regather = handle.local and handle.source is not None
+        regather = handle.regathers and handle.source is not None
         if regather:
             handle.check_expert_input(x)             # NOTE [regathered input]
     # NOTE [expert counts]: a dispatch's own counts need no check; others are checked once

@@ -192,6 +192,18 @@ def exchange_dispatch(x: torch.Tensor, topk_weight: torch.Tensor, plan: Exchange
     return _DispatchExchange.apply(x, topk_weight, plan, moe_ops)
 
 
+def exchange_resend(x: torch.Tensor, plan: ExchangePlan, moe_ops) -> torch.Tensor:
+    """The permuted rows ``[R, H]`` of this rank's experts pushed again from the tokens ``x``
+    (``[T, H]``, the very tokens the plan's dispatch sent, unchanged since), without autograd
+    and without the router weights: what :func:`exchange_dispatch` received, row for row
+    (NOTE [resent rows] in ``live.py``). A collective, inside a CUDA graph too: every rank
+    calls it at the same point of its step (a layer's backward)."""
+    out = x.new_empty(plan.budget_rows, x.shape[1])
+    _dispatch_direction(plan, moe_ops, (x.detach().contiguous(), plan.token_of_slot, out),
+                        fresh=False)
+    return out
+
+
 def exchange_combine(y: torch.Tensor, topk_weight: torch.Tensor | None, plan: ExchangePlan,
                      moe_ops) -> torch.Tensor:
     """``out[t] = sum_k (topk_weight[t, k] *) y[row of (t, k)]`` with the rows ``y``

@@ -54,7 +54,7 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
                   num_experts: int | None = None, capacity_factor: float = 1.25,
                   pad_multiple: int | None = None, num_tokens: int | None = None,
                   chunk_rows: int | None = None, owner: str = "make_exchange",
-                  timeout_s: float = DEFAULT_TIMEOUT_S, budgets=None):
+                  timeout_s: float = DEFAULT_TIMEOUT_S, budgets=None, resend: bool = False):
     """The one factory of row exchanges (NOTE [row exchange] in ``graphstash/moe/_dispatch.py``),
     for ``exchange=`` of :func:`~graphstash.moe.dispatch` and :func:`~graphstash.moe.moe_layer`:
 
@@ -69,19 +69,32 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
       and ``num_tokens``, and falls back to NCCL's chunks where none can be built;
       ``num_experts`` must be a multiple of the group's ranks (ValueError naming it).
 
+    ``resend=True`` (live rows only): the experts' backward pushes the rows again instead of
+    keeping what arrived, one ``[budget, hidden]`` tensor less per layer for one more push
+    (NOTE [resent rows] in ``live.py``).
+
     Example: ``exchange = make_exchange(group, topk=8, num_experts=128, capacity_factor=1.25)``.
     """
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+    if not isinstance(resend, bool):
+        raise TypeError(f"resend: expected a bool, got {type(resend).__name__}")
     if transport is not None:
         if group is not None and group is not transport.group:
             raise ValueError("group: expected None or the group the transport was built over")
-        return LiveRows(transport)
+        return LiveRows(transport, resend=resend)
     if group is None:
         if chunk_rows is not None:
             raise ValueError("chunk_rows: NCCL's chunks need a group")
+        if resend:
+            raise ValueError("resend: only an expert-parallel live-row exchange pushes rows "
+                             "again; with no group or transport every expert is on this "
+                             "device (pass resend=False)")
         return None
     if kind == "nccl chunks":
+        if resend:
+            raise ValueError("resend: NCCL's chunks keep what arrived; only kind='live rows' "
+                             "pushes rows again (pass resend=False)")
         return NcclChunks(group, chunk_rows)
     if chunk_rows is not None:
         raise ValueError("chunk_rows: the live-row exchange sends no chunks; pass "
@@ -92,7 +105,7 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
     return GroupExchange(group, topk=topk, num_experts=num_experts,
                          capacity_factor=capacity_factor, pad_multiple=pad_multiple,
                          num_tokens=num_tokens, owner=owner, timeout_s=timeout_s,
-                         budgets=budgets)
+                         budgets=budgets, resend=resend)
 
 
 class GroupExchange:
@@ -110,12 +123,14 @@ class GroupExchange:
         budgets: the :class:`~graphstash.moe.DispatchBudgets` of the layers it serves, or
             None: the region holds the largest of their factors (NOTE [adaptive budgets]),
             and is built again, larger, at the first eager forward after one grew past it.
+        resend: the live rows' ``resend`` (NOTE [resent rows] in ``live.py``); NCCL's chunks,
+            where no transport can be built, keep what arrived.
     """
 
     def __init__(self, group, *, topk: int, num_experts: int, capacity_factor: float,
                  pad_multiple: int | None = None, num_tokens: int | None = None,
                  owner: str = "the exchange", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 budgets=None):
+                 budgets=None, resend: bool = False):
         import torch.distributed as dist
 
         require_positive_int("topk", topk)
@@ -135,6 +150,9 @@ class GroupExchange:
         self.owner = owner
         self.timeout_s = timeout_s
         self.budgets = budgets
+        if not isinstance(resend, bool):
+            raise TypeError(f"resend: expected a bool, got {type(resend).__name__}")
+        self.resend = resend
         self._tokens: int | None = None             # the tokens the transport was sized for
         self.transport: Transport | None = None
         self._live: LiveRows | None = None
@@ -146,7 +164,7 @@ class GroupExchange:
         """``"live rows over <transport>"``, ``"nccl chunks"`` where none could be built, or
         ``"live rows (built at the first forward)"``."""
         if self.transport is not None:
-            return f"live rows over {self.transport.kind}"
+            return f"live rows over {self.transport.kind}" + (", resent" if self.resend else "")
         if self._unavailable is not None:
             return "nccl chunks"
         return "live rows (built at the first forward)"
@@ -215,7 +233,7 @@ class GroupExchange:
                 self._chunks = NcclChunks(self.group)
             return self._chunks
         if self._live is None or self._live.transport is not transport:
-            self._live = LiveRows(transport)
+            self._live = LiveRows(transport, resend=self.resend)
         return self._live
 
     def close(self) -> None:

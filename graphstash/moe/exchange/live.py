@@ -6,13 +6,29 @@ rows straight into the experts' ranks; combine sends the results back (NOTE [liv
 exchange layout] in ``plan.py``, NOTE [receive buffer lifetime] in ``autograd.py``). The
 transport stays a transport (regions, the peer table, barriers); this is what dispatch and
 combine drive through it (NOTE [row exchange] in ``graphstash/moe/_dispatch.py``).
+
+NOTE [resent rows]: the first expert GEMM's weight gradient needs the rows a rank received,
+so autograd keeps them from the forward to the layer's backward: one ``[budget, hidden]``
+tensor per layer (80 % of what a live-row rank keeps beyond the no-exchange step at
+qwen3-30b-a3b widths on four ranks, docs/exchange.md), where one device keeps only the tokens
+and gathers them again (NOTE [regathered input] in ``graphstash/moe/mlp.py``). With
+``resend=True`` an exchange does the same across ranks: ``expert_mlp`` keeps each rank's
+``[tokens, hidden]`` tokens (the router keeps them anyway), and in backward every rank pushes
+them again along the same plan (:func:`~graphstash.moe.exchange.exchange_resend`), so the
+experts get the very rows they computed with. The price is one more push per layer in
+backward, beside the three a layer already makes there and in forward (the rows, their
+gradients, the outputs and theirs), with its two barriers and its copy-out. It is a
+collective inside ``expert_mlp``'s backward: every rank reaches it in the same order, as it
+does the other pushes of backward. The checks that make a one-device regather safe (the
+permuted rows are the dispatch's own output, untouched, and the tokens unchanged) hold here
+too: a resend of changed tokens would give other rows than the experts computed with.
 """
 from __future__ import annotations
 
 import torch
 
 from ..._checks import describe
-from .autograd import exchange_combine, exchange_dispatch
+from .autograd import exchange_combine, exchange_dispatch, exchange_resend
 from .plan import plan_exchange
 from .transport import Transport
 
@@ -31,18 +47,27 @@ class LiveRows:
 
     keeps_rows = True           # its plans can leave rows of the budget out (ExchangePlan.keep_rows)
 
-    def __init__(self, transport: Transport):
+    def __init__(self, transport: Transport, *, resend: bool = False):
         if not isinstance(transport, Transport):
             raise TypeError(f"transport: expected a graphstash.moe.exchange.Transport, got "
                             f"{type(transport).__name__}")
+        if not isinstance(resend, bool):
+            raise TypeError(f"resend: expected a bool, got {type(resend).__name__}")
         self.transport = transport
+        self.resend = resend
 
     def __repr__(self) -> str:
-        return f"LiveRows({self.transport!r})"
+        return f"LiveRows({self.transport!r}{', resend=True' if self.resend else ''})"
 
     @property
     def kind(self) -> str:
-        return f"live rows over {self.transport.kind}"
+        return f"live rows over {self.transport.kind}" + (", resent" if self.resend else "")
+
+    @property
+    def resends(self) -> bool:
+        """Whether the experts' backward pushes the rows again instead of keeping them (NOTE
+        [resent rows])."""
+        return self.resend
 
     @property
     def world_size(self) -> int:
@@ -83,3 +108,8 @@ class LiveRows:
     def combine_rows(self, y, topk_weight, plan, kernels):
         """``[T, hidden]`` per token: :func:`~graphstash.moe.exchange.exchange_combine`."""
         return exchange_combine(y, topk_weight, plan, kernels)
+
+    def resend_rows(self, x, plan, kernels):
+        """``[R, hidden]``: :func:`~graphstash.moe.exchange.exchange_resend` (NOTE [resent
+        rows])."""
+        return exchange_resend(x, plan, kernels)
