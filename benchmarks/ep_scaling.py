@@ -142,7 +142,7 @@ def table(args) -> int:
             preset = name.split("_ep")[0]
             found[(preset, ep, config["routing"])] = (config, gpus, rows)
     order = ("eager peer", "nccl chunks", "worst-case buffers", "live rows", "live rows + stash",
-             "no exchange")
+             "live rows + resend", "no exchange")
     for preset in sorted({k[0] for k in found}):
         print(f"\n### {preset}\n")
         print("| EP | layers | routing | row | step ms | peer / row | act MiB | act / peer "

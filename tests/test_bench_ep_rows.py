@@ -193,7 +193,8 @@ def _bench_rows_ranks(rank: int, world: int) -> None:
     batches = make_batches(_config(), CALLS, seed=4321 + rank, device="cpu",
                            dtype=torch.float32)
     got = {row: _run_row(row, rank, world, batches)
-           for row in ("worst-case buffers", "live rows", "live rows + stash", "eager peer")}
+           for row in ("worst-case buffers", "live rows", "live rows + stash",
+                       "live rows + resend", "eager peer")}
     got["live rows, built by the model"] = _run_row("live rows", rank, world, batches, own=True)
     # NCCL's chunks of every row a rank could send to another: no step over budget to rerun
     got["nccl chunks"] = _run_row("nccl chunks", rank, world, batches,
@@ -205,7 +206,8 @@ def _bench_rows_ranks(rank: int, world: int) -> None:
     for call in worst:                      # the reference gradients reach every parameter
         for name, g in call["grads"].items():
             assert float(g.abs().max()) > 1e-4, f"rank {rank}: gradient of {name} is ~0"
-    for row in ("live rows", "live rows + stash", "live rows, built by the model"):
+    for row in ("live rows", "live rows + stash", "live rows + resend",
+                "live rows, built by the model"):
         for i, (a, b) in enumerate(zip(got[row], worst)):
             assert torch.equal(a["loss"], b["loss"]), (row, i, a["loss"], b["loss"])
             for name, g in a["grads"].items():
@@ -237,6 +239,13 @@ def _bench_rows_ranks(rank: int, world: int) -> None:
         for row in ("worst-case buffers", "live rows", "live rows + stash"):
             moved = got[row][i]["bytes"]
             assert {k: moved[k] for k in want} == want, (rank, row, i, moved, want)
+        # the resend pushes each layer's rows again, without their weights, in a round of
+        # its own (two barriers) (NOTE [resent rows])
+        again = {"sent": want["sent"] + away * ROW_BYTES, "local": want["local"] + home * ROW_BYTES,
+                 "meta": want["meta"] + LAYERS * 8 * (2 * world), "rows": want["rows"] + home + away,
+                 "barriers": want["barriers"] + 2 * LAYERS}
+        moved = got["live rows + resend"][i]["bytes"]
+        assert {k: moved[k] for k in again} == again, (rank, i, moved, again)
         peer = got["eager peer"][i]["bytes"]["sent"]
         assert peer == (away + received) * 2 * ROW_BYTES \
             + LAYERS * (world - 1) * (E // world) * 8, (rank, i, peer)
@@ -469,7 +478,8 @@ def test_bench_moe_ep_four_gloo_ranks_reports_every_row(tmp_path, routing):
                          "receives depend on every rank's routing (NOTE [no-exchange row]); "
                          "balanced routing only"}, local
         assert all(r["vs_no_exchange"] is None for r in results.values()), results
-    kinds = {"eager peer": "all_to_all (plain peer)", "nccl chunks": "nccl chunks"}
+    kinds = {"eager peer": "all_to_all (plain peer)", "nccl chunks": "nccl chunks",
+             "live rows + resend": "live rows over gloo, resent"}
     for row, r in results.items():
         assert "error" not in r, (row, r)
         assert r["exchange"] == kinds.get(row, "live rows over gloo"), (row, r)

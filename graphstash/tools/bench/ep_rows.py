@@ -17,12 +17,15 @@ ranks, and the buffers they land in, change:
   ``graph_step``;
 - ``live rows``: the live-row exchange sized by ``--capacity-factor``, under ``graph_step``;
 - ``live rows + stash``: the same with ``graph_step(stash=...)``;
+- ``live rows + resend``: the live rows pushed again in backward instead of kept
+  (``MoEConfig(resend_rows=True)``, NOTE [resent rows] in
+  ``graphstash/moe/exchange/live.py``);
 - ``no exchange``: no expert parallelism, the baseline of what the exchange costs (NOTE
   [no-exchange row]).
 
-The budgets of ``live rows`` and ``live rows + stash`` adapt to the routing (NOTE [adaptive
+The budgets of the three ``live rows`` rows adapt to the routing (NOTE [adaptive
 budgets] in ``graphstash/moe/budgets.py``). Where the ranks have a process group and the
-transport is chosen automatically (torchrun), those two rows run the model as README shows it,
+transport is chosen automatically (torchrun), those rows run the model as README shows it,
 ``MoEModel(config, group=g)``: the exchange is built at the first forward and built again,
 larger, when a budget outgrows it; the flags and needs travel through the group. Elsewhere
 (ranks sharing one GPU, in-process ranks, a ``--transport`` named) the row is given its
@@ -44,13 +47,15 @@ from ...moe.exchange import receive_rows
 from ..training import WARMUP, TrainingRun, eager_step, forward_backward_of, routed_step
 
 ROWS = ("eager peer", "nccl chunks", "worst-case buffers", "live rows", "live rows + stash",
-        "no exchange")
+        "live rows + resend", "no exchange")
 GRAPHED = ROWS[1:]
 PEER_ROWS = ROWS[:2]            # rows whose tokens travel through torch.distributed collectives
-TRANSPORT_ROWS = ROWS[2:5]      # rows whose tokens travel through a live-row transport
-LOCAL_ROWS = ROWS[5:]           # rows whose tokens never leave their rank
+TRANSPORT_ROWS = ROWS[2:6]      # rows whose tokens travel through a live-row transport
+LOCAL_ROWS = ROWS[6:]           # rows whose tokens never leave their rank
 MODEL_MODE = {"eager peer": "plain", "nccl chunks": "budget", "worst-case buffers": "budget",
-              "live rows": "budget", "live rows + stash": "stash", "no exchange": "budget"}
+              "live rows": "budget", "live rows + stash": "stash", "live rows + resend": "budget",
+              "no exchange": "budget"}
+BUILDS_OWN = ("live rows", "live rows + stash", "live rows + resend")   # MoEModel(config, group=g)
 
 # NOTE [no-exchange row]: what does the exchange cost a step? Not the one-GPU step of the
 # whole model: it holds every expert, so its optimizer updates W times the expert parameters
@@ -133,7 +138,9 @@ def worst_case_config(config: MoEConfig, world_size: int) -> MoEConfig:
 def row_config(row: str, config: MoEConfig, world_size: int) -> MoEConfig:
     """The model configuration ``row`` runs: the worst-case budget for ``worst-case buffers``,
     NCCL chunks of the capacity factor for ``nccl chunks``, one rank's experts for ``no
-    exchange``, else ``config``."""
+    exchange``, the rows resent for ``live rows + resend``, else ``config``."""
+    if row == "live rows + resend":
+        return dataclasses.replace(config, resend_rows=True)
     if row == "worst-case buffers":
         return worst_case_config(config, world_size)
     if row == "no exchange":

@@ -20,8 +20,9 @@ Rows (NOTE [expert-parallel bench rows] in ``ep_rows.py``): ``eager peer`` (plai
 dropless MoE, ``all_to_all_single`` with split sizes read back every layer; NCCL ranks only),
 ``nccl chunks`` (graphstash's budget dispatch over NCCL's fixed chunks under ``graph_step``;
 NCCL ranks only), ``worst-case buffers`` (the live-row exchange with receive room for every row
-any rank could send and a budget of that size, torchtitan's graphable design), ``live rows`` and
-``live rows + stash`` (under ``graph_step``), and ``no exchange`` (each rank's own experts on
+any rank could send and a budget of that size, torchtitan's graphable design), ``live rows``,
+``live rows + stash`` and ``live rows + resend`` (under ``graph_step``; the last pushes the
+rows again in backward instead of keeping them, NOTE [resent rows]), and ``no exchange`` (each rank's own experts on
 its own tokens, nothing sent: the baseline of what the exchange costs, balanced routing only;
 NOTE [no-exchange row]). The presets at 8192 tokens per rank,
 ``--capacity-factor`` (default 2.0), as many layers as fit (up to 16) unless ``--layers``,
@@ -66,8 +67,8 @@ from .. import options, progress, training
 from ..output import Output
 from . import moe_setup
 from .moe_setup import DEFAULT_PREFETCH
-from .ep_rows import (LOCAL_ROWS, PEER_ROWS, ROWS, TRANSPORT_ROWS, build_row, transport_bytes,
-                      transport_sizes, unavailable)
+from .ep_rows import (BUILDS_OWN, LOCAL_ROWS, PEER_ROWS, ROWS, TRANSPORT_ROWS, build_row,
+                      transport_bytes, transport_sizes, unavailable)
 from .kernel_share import EXCHANGE_KERNELS, GROUPS, profile_steps
 from .peak_call import PeakCalls, describe, highest
 from .spread import range_text, spread
@@ -359,7 +360,7 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
     transport = None
     # README's path where the ranks have a group and the transport is chosen automatically:
     # the model builds its exchange, and builds it again when a budget outgrows it
-    builds_own = (row in ("live rows", "live rows + stash") and ranks.peer_group is not None
+    builds_own = (row in BUILDS_OWN and ranks.peer_group is not None
                   and ranks.transport_kind == "auto")
     if row in TRANSPORT_ROWS and not builds_own:
         try:
