@@ -30,6 +30,10 @@ def test_make_exchange_from_nothing():
         make_exchange(kind="rows")
     with pytest.raises(ValueError, match="chunk_rows: NCCL's chunks need a group"):
         make_exchange(chunk_rows=4)
+    with pytest.raises(ValueError, match="resend: only an expert-parallel live-row exchange"):
+        make_exchange(resend=True)
+    with pytest.raises(TypeError, match="resend: expected a bool, got int"):
+        make_exchange(resend=1)
 
 
 def _group_kinds(rank: int, world: int) -> list:
@@ -46,6 +50,14 @@ def _group_kinds(rank: int, world: int) -> list:
         make_exchange(group, chunk_rows=4)
     with pytest.raises(ValueError, match="topk: the live-row exchange is sized from topk"):
         make_exchange(group)
+    # NOTE [resent rows]: the live rows only, said in their kind
+    resent = make_exchange(transport=transport, resend=True)
+    assert resent.resends and not live.resends and resent.kind == "live rows over gloo, resent"
+    assert make_exchange(group, topk=2, num_experts=4, resend=True).resend
+    with pytest.raises(ValueError, match="resend: NCCL's chunks keep what arrived"):
+        make_exchange(group, kind="nccl chunks", resend=True)
+    with pytest.raises(TypeError, match="resend: expected a bool, got str"):
+        LiveRows(transport, resend="yes")
     return [type(chunks).__name__, chunks.chunk_rows, isinstance(chunks, NcclChunks),
             isinstance(lazy, GroupExchange), lazy.kind]
 

@@ -109,6 +109,41 @@ def test_exchange_rebuilt_for_the_dtype_the_model_moved_to():
     assert run_ranks(_rebuilt_on_move, 2) == ["'same'", "'same'"]
 
 
+def _resend_refused_where_nothing_resends(rank: int, world: int) -> str:
+    """``resend_rows`` with NCCL's chunks or the plain peer is refused naming it, before any
+    collective; a handle of NCCL's chunks refuses to regather (NOTE [resent rows])."""
+    import torch.distributed as dist
+
+    from _ep_default import config_for
+    from graphstash.moe import dispatch
+    from graphstash.moe.exchange import make_exchange
+
+    group = dist.group.WORLD
+    config = config_for(world, resend_rows=True)
+    for kwargs in ({"exchange": None}, {"mode": "plain"}):
+        with pytest.raises(ValueError, match=r"config\.resend_rows: only the live-row exchange"):
+            MoEModel(config, group=group, **kwargs)
+    x = torch.randn(8, 16)
+    idx = torch.stack([torch.arange(8) % 8, (torch.arange(8) + 1) % 8], 1)
+    _, _, handle = dispatch(x, idx, torch.full((8, 2), 0.5), 8, budget=64,
+                            exchange=make_exchange(group, kind="nccl chunks"))
+    assert not handle.regathers
+    with pytest.raises(ValueError, match=r"handle: regather\(\) needs a one-device dispatch or "
+                                         r"an exchange that resends its rows"):
+        handle.regather(x)
+    dist.barrier()
+    return "refused"
+
+
+def test_resend_rows_is_refused_where_nothing_resends():
+    assert run_ranks(_resend_refused_where_nothing_resends, 2) == ["'refused'"] * 2
+    with pytest.raises(TypeError, match="resend_rows: expected a bool, got int"):
+        MoEConfig(resend_rows=1)
+    # one device: nothing to resend; the experts gather their rows again anyway
+    model = MoEModel(MoEConfig(hidden=16, ffn=16, layers=1, num_tokens=8, resend_rows=True))
+    assert model.exchange_kind == "one device"
+
+
 def test_config_is_frozen():
     config = MoEConfig(hidden=16, attention=True, heads=4)
     with pytest.raises(dataclasses.FrozenInstanceError, match="heads"):
