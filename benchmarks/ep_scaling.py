@@ -39,7 +39,8 @@ import subprocess
 import sys
 import time
 
-EP_ROWS = "eager peer,nccl chunks,worst-case buffers,live rows,live rows + stash,no exchange"
+EP_ROWS = ("eager peer,nccl chunks,worst-case buffers,live rows,live rows + stash,"
+           "live rows + resend,no exchange")
 ONE_GPU_ROWS = {"plain eager": "eager peer", "graph + budget": "live rows",
                 "graph + budget + stash": "live rows + stash"}
 

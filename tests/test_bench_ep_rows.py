@@ -241,8 +241,10 @@ def _bench_rows_ranks(rank: int, world: int) -> None:
             assert {k: moved[k] for k in want} == want, (rank, row, i, moved, want)
         # the resend pushes each layer's rows again, without their weights, in a round of
         # its own (two barriers) (NOTE [resent rows])
-        again = {"sent": want["sent"] + away * ROW_BYTES, "local": want["local"] + home * ROW_BYTES,
-                 "meta": want["meta"] + LAYERS * 8 * (2 * world), "rows": want["rows"] + home + away,
+        again = {"sent": want["sent"] + away * ROW_BYTES,
+                 "local": want["local"] + home * ROW_BYTES,
+                 "meta": want["meta"] + LAYERS * 8 * (2 * world),
+                 "rows": want["rows"] + home + away,
                  "barriers": want["barriers"] + 2 * LAYERS}
         moved = got["live rows + resend"][i]["bytes"]
         assert {k: moved[k] for k in again} == again, (rank, i, moved, again)

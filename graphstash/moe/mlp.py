@@ -28,14 +28,14 @@ layer in backward buys a budget-sized tensor less per layer, in memory and in wh
 copies out and back. Under expert parallelism the rows came through an exchange: the permuted
 buffer is kept, unless the exchange resends them (NOTE [resent rows] in
 ``graphstash/moe/exchange/live.py``), which :meth:`~graphstash.moe.DispatchHandle.regather`
-then does in place of the gather. The gather gives the input only if ``x`` is the very tensor the
-dispatch returned and neither it nor the tokens changed since, so :func:`expert_mlp` refuses
-anything else (a ``dropout(permuted)`` gave weight gradients 25.5 off, tokens modified in
-place between dispatch and the experts 14.2 off): the identity of ``x`` and the version
-counters of ``x`` and the tokens at dispatch time are checked in the forward, and the
-tokens' version again in backward before the gather (autograd's own in-place check does not
-run when saved-tensor hooks hold the tokens). While torch.compile traces, versions are not
-graph values; only the identity is checked then.
+then does in place of the gather. The gather gives the input only if ``x`` is the very
+tensor the dispatch returned and neither it nor the tokens changed since, so
+:func:`expert_mlp` refuses anything else (a ``dropout(permuted)`` gave weight gradients
+25.5 off, tokens modified in place between dispatch and the experts 14.2 off): the identity
+of ``x`` and the version counters of ``x`` and the tokens at dispatch time are checked in the
+forward, and the tokens' version again in backward before the gather (autograd's own in-place
+check does not run when saved-tensor hooks hold the tokens). While torch.compile traces,
+versions are not graph values; only the identity is checked then.
 
 NOTE [count-aware expert kernels]: the activation, its gate product, the router-weight
 scaling, their backward and the per-row weight-gradient dot run as one fused kernel each way

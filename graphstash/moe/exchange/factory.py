@@ -161,8 +161,9 @@ class GroupExchange:
 
     @property
     def kind(self) -> str:
-        """``"live rows over <transport>"``, ``"nccl chunks"`` where none could be built, or
-        ``"live rows (built at the first forward)"``."""
+        """``"live rows over <transport>"`` (``", resent"`` after it with ``resend``),
+        ``"nccl chunks"`` where none could be built, or ``"live rows (built at the first
+        forward)"``."""
         if self.transport is not None:
             return f"live rows over {self.transport.kind}" + (", resent" if self.resend else "")
         if self._unavailable is not None:

@@ -9,15 +9,15 @@ combine drive through it (NOTE [row exchange] in ``graphstash/moe/_dispatch.py``
 
 NOTE [resent rows]: the first expert GEMM's weight gradient needs the rows a rank received,
 so autograd keeps them from the forward to the layer's backward: one ``[budget, hidden]``
-tensor per layer (80 % of what a live-row rank keeps beyond the no-exchange step at
-qwen3-30b-a3b widths on four ranks, docs/exchange.md), where one device keeps only the tokens
-and gathers them again (NOTE [regathered input] in ``graphstash/moe/mlp.py``). With
+tensor per layer (on four H100s at qwen3-30b-a3b widths, 2439 of the 2474 MiB a live-row rank
+held beyond the no-exchange step: docs/exchange.md, "Resent rows"), where one device keeps
+only the tokens and gathers them again (NOTE [regathered input] in ``graphstash/moe/mlp.py``). With
 ``resend=True`` an exchange does the same across ranks: ``expert_mlp`` keeps each rank's
 ``[tokens, hidden]`` tokens (the router keeps them anyway), and in backward every rank pushes
 them again along the same plan (:func:`~graphstash.moe.exchange.exchange_resend`), so the
-experts get the very rows they computed with. The price is one more push per layer in
-backward, beside the three a layer already makes there and in forward (the rows, their
-gradients, the outputs and theirs), with its two barriers and its copy-out. It is a
+experts get the very rows they computed with. The price is a fifth push per layer, beside
+the rows and the outputs in forward and their gradients in backward, with its two barriers
+and its copy-out. It is a
 collective inside ``expert_mlp``'s backward: every rank reaches it in the same order, as it
 does the other pushes of backward. The checks that make a one-device regather safe (the
 permuted rows are the dispatch's own output, untouched, and the tokens unchanged) hold here
