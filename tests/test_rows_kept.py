@@ -7,6 +7,7 @@ through steps whose routing overflows them; rows that creep up grow the stash be
 overflow it (NOTE [stash growth ahead] in graphstash/graph/_step.py)."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -97,12 +98,13 @@ def test_keep_rows_equals_the_whole_budget_while_the_rows_fit_and_flags_when_not
 
 
 def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int, seed: int,
-                            steps: int, route, probe=None):
+                            steps: int, route, probe=None, resend_rows: bool = False):
     """README's ``MoEModel(config, group=g)`` in stash mode (every group stashed) under
     graph_step, its experts trained on this rank's tokens, against the dropless model trained
     on every rank's; ``route(i, model, ref)`` sets both routings before step ``i``; ``probe()``,
-    if given, runs inside the step function, after the backward. Checks the experts end equal
-    and returns the decorated step (``.stats``, ``.stash_manager``)."""
+    if given, runs inside the step function, after the backward; ``resend_rows``: the
+    config's (NOTE [resent rows]). Checks the experts end equal and returns the decorated step
+    (``.stats``, ``.stash_manager``)."""
     import torch.distributed as dist
 
     import graphstash
@@ -115,7 +117,8 @@ def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int,
     config = MoEConfig(hidden=16, ffn=16, num_experts=E, topk=2, layers=3, num_tokens=tokens,
                        capacity_factor=float(world), pad_multiple=4, gated=True,
                        routing=routing)
-    model = MoEModel(config, mode="stash", group=dist.group.WORLD, seed=5)
+    model = MoEModel(dataclasses.replace(config, resend_rows=resend_rows), mode="stash",
+                     group=dist.group.WORLD, seed=5)
     ref = MoEModel(config, mode="dropless", seed=5)
     experts, ref_experts = train_experts_only(model), train_experts_only(ref)
     opt = torch.optim.AdamW(experts, lr=1e-2)
@@ -151,6 +154,7 @@ def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int,
             ref_opt.step()
     stats = train_step.stats
     assert stats.steps == steps, stats
+    assert model.exchange_kind.endswith(", resent") == resend_rows, model.exchange_kind
     for i, (p, q) in enumerate(zip(experts, ref_experts)):
         assert q.grad.abs().max() > 1e-4, f"reference gradient {i} is ~0"
         assert_trained_close(p, q[rank * El:(rank + 1) * El], f"rank {rank} expert weight {i}")
@@ -163,9 +167,10 @@ def _drift(i: int, model, ref) -> None:
         b.routing_bias.copy_(a.routing_bias)
 
 
-def _model_ranks(rank: int, world: int) -> dict:
+def _model_ranks(rank: int, world: int, resend_rows: bool = False) -> dict:
     """Routing that drifts between the ranks' experts, so some steps fill more rows than the
-    first step measured; every dispatch's kept rows recorded."""
+    first step measured; every dispatch's kept rows recorded; ``resend_rows``: the rows
+    pushed again in backward, not kept (NOTE [resent rows])."""
     import torch.distributed as dist
 
     from graphstash.moe.exchange import ExchangePlan
@@ -180,7 +185,7 @@ def _model_ranks(rank: int, world: int) -> dict:
     ExchangePlan.keep_rows = spy
     try:
         stats = _train_against_dropless(rank, world, routing="drift:0.7:2", tokens=32, seed=11,
-                                        steps=8, route=_drift).stats
+                                        steps=8, route=_drift, resend_rows=resend_rows).stats
     finally:
         ExchangePlan.keep_rows = real_keep
     assert kept_rows and all(rows < budget for rows, budget in kept_rows), kept_rows
@@ -193,8 +198,9 @@ def _model_ranks(rank: int, world: int) -> dict:
             "every_rank_reran": int(overflowed)}
 
 
-def test_moe_model_stash_computes_on_the_kept_rows_and_trains_as_dropless():
-    results = run_ranks(_model_ranks, 2)
+@pytest.mark.parametrize("resend_rows", [False, True], ids=["kept", "resent"])
+def test_moe_model_stash_computes_on_the_kept_rows_and_trains_as_dropless(resend_rows):
+    results = run_ranks(_model_ranks, 2, resend_rows)
     for text in results:
         report = eval(text)
         # the three layers of at least the first step after the plan computed on fewer rows
