@@ -436,17 +436,25 @@ def _ep_case(rank, world, device, seed):
     logits, loss and replicated-parameter gradients equal the full one-device model's on that
     batch; the gradient of its expert slice equals the full model's, summed over every rank's
     batches. Both are built and configured on the CPU, then moved to ``device`` (PyTorch's
-    usual order): the exchange is built where the model runs."""
+    usual order): the exchange is built where the model runs. Once with the rows kept, once
+    resent (``resend_rows=True``)."""
     import torch.distributed as dist
 
     ref = tiny_model("qwen3_moe", seed, device=torch.device("cpu"))
-    ours = twin(ref, gst.IMPLEMENTATION)
-    names = gst.configure(ours, capacity_factor=float(world), group=dist.group.WORLD)
-    ref.to(device)
-    ours.to(device)
-    _ep_compare(ours, ref, names, rank, world, device, seed)
-    exchange = gst.settings_of(ours.get_submodule(names[0])).exchange
-    assert exchange.transport is not None and exchange.transport.device == device, exchange.kind
+    for resend_rows in (False, True):       # the rows kept, then resent (NOTE [resent rows])
+        ref.zero_grad(set_to_none=True)
+        ref.cpu()
+        ours = twin(ref, gst.IMPLEMENTATION)
+        kwargs = {"resend_rows": True} if resend_rows else {}
+        names = gst.configure(ours, capacity_factor=float(world), group=dist.group.WORLD,
+                              **kwargs)
+        ref.to(device)
+        ours.to(device)
+        _ep_compare(ours, ref, names, rank, world, device, seed)
+        exchange = gst.settings_of(ours.get_submodule(names[0])).exchange
+        assert exchange.transport is not None and exchange.transport.device == device, \
+            exchange.kind
+        assert exchange.kind.endswith(", resent") == resend_rows, exchange.kind
 
 
 def _train_ep(ref, rank, world, *, factor, seed, steps, stash=None):

@@ -297,7 +297,8 @@ def _shard(module: nn.Module, name: str, group, world: int, rank: int) -> int:
 
 
 def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = True,
-              group=None, exchange="auto", num_tokens: int | None = None) -> list[str]:
+              group=None, exchange="auto", num_tokens: int | None = None,
+              resend_rows: bool = False) -> list[str]:
     """Set how the ``"graphstash"`` experts backend runs the experts of ``model``.
 
     Call it after ``model.set_experts_implementation("graphstash")`` (or loading with
@@ -324,6 +325,12 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
         num_tokens: tokens per rank per step (``batch x seq``), to size the exchange's
             receive region (:func:`graphstash.moe.exchange.receive_rows`); None: the most
             tokens any rank brings to the first forward.
+        resend_rows: with ``group`` and the live-row exchange, each experts module keeps its
+            tokens instead of the rows that arrived and pushes them again in backward: a
+            ``[budget, hidden]`` tensor less per layer for one more push (NOTE [resent rows]
+            in ``graphstash/moe/exchange/live.py``); refused with NCCL's chunks
+            (``exchange=None``). Ignored on one device, where the rows are gathered again
+            anyway.
 
     Returns the names of the experts modules configured. Raises ValueError when ``model`` has no
     experts module, uses another experts implementation, or has experts the backend does not
@@ -362,6 +369,12 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
     _warn_bincount_aux_loss(model)
     if num_tokens is not None:
         require_positive_int("num_tokens", num_tokens)
+    if not isinstance(resend_rows, bool):
+        raise TypeError(f"resend_rows: expected a bool, got {type(resend_rows).__name__}")
+    if resend_rows and world > 1 and exchange is None:
+        raise ValueError("resend_rows: NCCL's chunks (exchange=None) keep what arrived; only the "
+                         "live-row exchange pushes rows again (NOTE [resent rows]): pass "
+                         "exchange='auto' or a Transport, or resend_rows=False")
     row_exchange = None             # NOTE [row exchange] in graphstash/moe/_dispatch.py
     budgets = None
     if world > 1:
@@ -371,11 +384,11 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
         budgets = DispatchBudgets(float(capacity_factor))     # NOTE [experts budget]
         if exchange == "auto":
             row_exchange = _group_exchange(model, modules, capacity_factor, group, num_tokens,
-                                           budgets)
+                                           budgets, resend_rows)
         elif exchange is None:
             row_exchange = make_exchange(group, kind="nccl chunks")
         elif isinstance(exchange, Transport):
-            row_exchange = make_exchange(transport=exchange)
+            row_exchange = make_exchange(transport=exchange, resend=resend_rows)
         else:
             raise TypeError(f"exchange: expected 'auto', None or a graphstash.moe.exchange."
                             f"Transport, got {type(exchange).__name__}")
@@ -392,7 +405,7 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
 
 
 def _group_exchange(model: nn.Module, modules, capacity_factor: float, group,
-                    num_tokens: int | None, budgets):
+                    num_tokens: int | None, budgets, resend_rows: bool):
     """The live-row exchange every experts module of ``model`` shares, built at the first
     forward where the model then runs (NOTE [exchange built where it runs] in
     ``graphstash/moe/exchange/factory.py``)."""
@@ -405,7 +418,8 @@ def _group_exchange(model: nn.Module, modules, capacity_factor: float, group,
                          "(NCCL chunks) or a Transport built for it")
     E = max(m.num_experts for _, m in modules)
     return make_exchange(group, topk=top_k, num_experts=E, capacity_factor=capacity_factor,
-                         num_tokens=num_tokens, owner="configure", budgets=budgets)
+                         num_tokens=num_tokens, owner="configure", budgets=budgets,
+                         resend=resend_rows)
 
 
 def _warn_bincount_aux_loss(model: nn.Module) -> None:
