@@ -50,7 +50,7 @@ def _group_kinds(rank: int, world: int) -> list:
         make_exchange(group, chunk_rows=4)
     with pytest.raises(ValueError, match="topk: the live-row exchange is sized from topk"):
         make_exchange(group)
-    # NOTE [resent rows]: the live rows only, said in their kind
+    # the live rows only, said in their kind (NOTE [resent rows])
     resent = make_exchange(transport=transport, resend=True)
     assert resent.resends and not live.resends and resent.kind == "live rows over gloo, resent"
     assert make_exchange(group, topk=2, num_experts=4, resend=True).resend
