@@ -11,6 +11,7 @@ gradients are checked to be far from zero.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -228,11 +229,11 @@ def moe_model_case(transport, T: int, E: int, device, *, stash_steps: int = 6) -
     """``MoEModel`` with the live-row exchange (gated experts, two layers, experts padded to
     4): in budget mode, eager, its output and every gradient equal the one-device model's
     (the replicated router and norm gradients summed over the ranks, on the host); in stash
-    mode under graph_step (experts trained, the rest frozen), the experts end equal to the
-    one-device model trained dropless on every rank's tokens."""
+    mode under graph_step (experts trained, the rest frozen), and in budget mode with the rows
+    resent (NOTE [resent rows]), the experts end equal to the one-device model trained
+    dropless on every rank's tokens."""
     import torch.distributed as dist
 
-    import graphstash
     from graphstash.models import MoEConfig, MoEModel
     from graphstash.stash import StashConfig
 
@@ -265,13 +266,51 @@ def moe_model_case(transport, T: int, E: int, device, *, stash_steps: int = 6) -
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
                                    msg=lambda m, n=name: f"rank {rank} {n}: {m}")
 
-    # stash mode inside graph_step, experts trained
-    model = MoEModel(config, mode="stash", group=group, exchange=transport, seed=5, device=device)
-    ref = MoEModel(config, mode="dropless", seed=5, device=device)
-    experts, ref_experts = train_experts_only(model), train_experts_only(ref)
-    opt = torch.optim.AdamW(experts, lr=1e-2, capturable=device.type == "cuda")
-    ref_opt = torch.optim.AdamW(ref_experts, lr=1e-2)
-    stash = StashConfig(policy="always", min_tensor_bytes=0, page_size=16)
+    # inside graph_step, experts trained: stash mode, then budget mode with the rows resent
+    # (NOTE [resent rows])
+    report = {}
+    for mode, resend_rows in (("stash", False), ("budget", True)):
+        model = MoEModel(dataclasses.replace(config, resend_rows=resend_rows), mode=mode,
+                         group=group, exchange=transport, seed=5, device=device)
+        assert model.exchange_kind.endswith(", resent") == resend_rows, model.exchange_kind
+        ref = MoEModel(config, mode="dropless", seed=5, device=device)
+        experts, ref_experts = train_experts_only(model), train_experts_only(ref)
+        opt = torch.optim.AdamW(experts, lr=1e-2, capturable=device.type == "cuda")
+        ref_opt = torch.optim.AdamW(ref_experts, lr=1e-2)
+        stash = StashConfig(policy="always", min_tensor_bytes=0, page_size=16) \
+            if mode == "stash" else None
+        train_step = _trained_step(model, opt, transport, stash)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "graphstash.graph_step", RuntimeWarning)
+            for i in range(stash_steps):
+                train_step(rank_data(70 + i, rank, T, E, device)[0], projs[rank])
+                ref_opt.zero_grad()
+                x = torch.cat([rank_data(70 + i, r, T, E, device)[0] for r in range(world)])
+                (ref(x).float() * torch.cat(projs)).sum().backward()
+                # each call's gradients too: AdamW's step does not see a gradient's scale
+                for j, (p, q) in enumerate(zip(experts, ref_experts)):
+                    assert_trained_close(p.grad, q.grad[rank * El:(rank + 1) * El],
+                                         f"step {i}: rank {rank} {mode} gradient {j}")
+                ref_opt.step()
+        stats = train_step.stats
+        assert stats.steps == stash_steps, stats    # a stash overflow reruns, updating once
+        for i, (p, q) in enumerate(zip(experts, ref_experts)):
+            assert_trained_close(p, q[rank * El:(rank + 1) * El],
+                                 f"rank {rank} {mode} expert weight {i}")
+        if mode == "stash":
+            report.update({"stash_steps": stats.steps, "replays": stats.replays,
+                           "reruns": stats.reruns, "stash_pages_peak": stats.stash_pages_peak})
+        else:
+            report["resent_replays"] = stats.replays
+            if device.type == "cuda":               # the resend captured and replayed
+                assert stats.replays >= 1, stats
+    return report
+
+
+def _trained_step(model, opt, transport, stash):
+    """``graph_step`` over a projection loss of ``model``, the step's flags summed through
+    ``transport``."""
+    import graphstash
 
     @graphstash.graph_step(optimizer=opt, distributed=False, stash=stash)
     def train_step(x, proj):
@@ -280,17 +319,4 @@ def moe_model_case(transport, T: int, E: int, device, *, stash_steps: int = 6) -
         transport.all_reduce_flags_(train_step.status[L.SS_OVERFLOW:L.SS_OVER_BUDGET + 1])
         return loss.detach()
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "graphstash.graph_step", RuntimeWarning)
-        for i in range(stash_steps):
-            train_step(rank_data(70 + i, rank, T, E, device)[0], projs[rank])
-            ref_opt.zero_grad()
-            x = torch.cat([rank_data(70 + i, r, T, E, device)[0] for r in range(world)])
-            (ref(x).float() * torch.cat(projs)).sum().backward()
-            ref_opt.step()
-    stats = train_step.stats
-    assert stats.steps == stash_steps, stats        # a stash overflow reruns, updating once
-    for i, (p, q) in enumerate(zip(experts, ref_experts)):
-        assert_trained_close(p, q[rank * El:(rank + 1) * El], f"rank {rank} expert weight {i}")
-    return {"stash_steps": stats.steps, "replays": stats.replays, "reruns": stats.reruns,
-            "stash_pages_peak": stats.stash_pages_peak}
+    return train_step

@@ -190,7 +190,8 @@ def _gloo_ranks(rank: int, world: int, E: int) -> None:
     assert peaks.tolist() == [world - 1, 10 * world, 0]
     # graph_step (eager on the CPU): skewed steps rerun dropless on every rank, one update each
     graph_step_case(transport, 2 * world, T, 10, device)
-    # MoEModel over the exchange: budget mode eagerly, stash mode under graph_step
+    # MoEModel over the exchange: budget mode eagerly; stash mode, and budget mode with the
+    # rows resent, under graph_step
     moe_model_case(transport, T, E, device)
     transport.check()
     transport.close()
