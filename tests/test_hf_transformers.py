@@ -441,6 +441,11 @@ def _ep_case(rank, world, device, seed):
     import torch.distributed as dist
 
     ref = tiny_model("qwen3_moe", seed, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"resend_rows: NCCL's chunks \(exchange=None\) keep"):
+        gst.configure(twin(ref, gst.IMPLEMENTATION), group=dist.group.WORLD, exchange=None,
+                      resend_rows=True)
+    with pytest.raises(TypeError, match="resend_rows: expected a bool, got str"):
+        gst.configure(twin(ref, gst.IMPLEMENTATION), group=dist.group.WORLD, resend_rows="yes")
     for resend_rows in (False, True):       # the rows kept, then resent (NOTE [resent rows])
         ref.zero_grad(set_to_none=True)
         ref.cpu()
