@@ -52,7 +52,7 @@ def _group_kinds(rank: int, world: int) -> list:
         make_exchange(group)
     # the live rows only, said in their kind (NOTE [resent rows])
     resent = make_exchange(transport=transport, resend=True)
-    assert resent.resends and not live.resends and resent.kind == "live rows over gloo, resent"
+    assert resent.resend and not live.resend and resent.kind == "live rows over gloo, resent"
     assert make_exchange(group, topk=2, num_experts=4, resend=True).resend
     with pytest.raises(ValueError, match="resend: NCCL's chunks keep what arrived"):
         make_exchange(group, kind="nccl chunks", resend=True)

@@ -125,7 +125,7 @@ class DispatchHandle:
         """Whether :meth:`regather` can give the permuted rows again: on one device (a
         gather), or through an exchange that resends them (NOTE [resent rows] in
         ``graphstash/moe/exchange/live.py``)."""
-        return self.local or bool(getattr(self.exchange, "resends", False))
+        return self.local or bool(getattr(self.exchange, "resend", False))
 
     def regather(self, source: torch.Tensor) -> torch.Tensor:
         """The permuted rows of ``source`` (``[num_tokens, hidden]``, the dispatched tokens,
@@ -325,7 +325,7 @@ class RowExchange(Protocol):
     the rows past the first ``n`` of a rank's budget out (``plan.keep_rows(n)``, for
     ``dispatch(keep_rows=)``) says so with ``keeps_rows = True``; without it, False. One that
     can push a dispatch's rows again in backward (NOTE [resent rows] in
-    ``graphstash/moe/exchange/live.py``) says so with ``resends`` True and does it in
+    ``graphstash/moe/exchange/live.py``) says so with ``resend`` True and does it in
     ``resend_rows(x, plan, kernels)``; without it, the experts keep what arrived. The
     live-row exchange lives above this
     module, so dispatch knows it only through this protocol and never imports it; a

@@ -38,7 +38,8 @@ __all__ = ["LiveRows"]
 class LiveRows:
     """Expert parallel through ``transport``: only the live rows move. Its ranks are the
     exchange's ranks (``world_size``, ``rank``), rows must fit its region (refused naming the
-    argument otherwise). Example::
+    argument otherwise). ``resend=True``: the experts' backward pushes the rows again instead
+    of keeping them (NOTE [resent rows]). Example::
 
         exchange = LiveRows(build_transport(group, capacity_rows=rows, row_bytes=2 * H,
                                             max_experts=E))
@@ -62,12 +63,6 @@ class LiveRows:
     @property
     def kind(self) -> str:
         return f"live rows over {self.transport.kind}" + (", resent" if self.resend else "")
-
-    @property
-    def resends(self) -> bool:
-        """Whether the experts' backward pushes the rows again instead of keeping them (NOTE
-        [resent rows])."""
-        return self.resend
 
     @property
     def world_size(self) -> int:
