@@ -87,34 +87,50 @@ def default_path_case(rank: int, world: int, device: torch.device, dtypes) -> di
     """For each dtype in ``dtypes`` (the model is moved to each in turn, so the exchange is
     built and then rebuilt): outputs and every gradient of ``MoEModel(config, group=g)``, and
     of the same with ``resend_rows=True`` (NOTE [resent rows]), equal NCCL's chunks and the
-    one-device reference; the resent model keeps no received rows, the default one a
-    ``[budget, hidden]`` tensor per layer."""
+    one-device reference; so do both with the backward pushes in the order the default does
+    not take here (NOTE [exchange beside the experts]: on a GPU the default runs them beside
+    the expert GEMMs, so the other order is ``overlap_sms=0``; on the CPU the default runs
+    them in line, so the other order is ``overlap_sms=1``, the early push home in line), with
+    the rows each moved equal to the default's: the early push replaced the dispatch's, it was
+    not pushed again. The resent model keeps no received rows, the default one a ``[budget,
+    hidden]`` tensor per layer."""
     config = config_for(world)
     group = dist.group.WORLD
-    model = MoEModel(config, group=group, seed=3)              # README: build, then move
-    resent = MoEModel(dataclasses.replace(config, resend_rows=True), group=group, seed=3)
+    other = 0 if device.type == "cuda" else 1
+    configs = {"default": config, "resent": dataclasses.replace(config, resend_rows=True),
+               "other order": dataclasses.replace(config, overlap_sms=other),
+               "other order, resent": dataclasses.replace(config, overlap_sms=other,
+                                                          resend_rows=True)}
+    models = {what: MoEModel(c, group=group, seed=3) for what, c in configs.items()}  # README
     kinds, resent_kinds = [], []
     for dtype in dtypes:
-        model, resent = model.to(device, dtype), resent.to(device, dtype)
+        models = {what: m.to(device, dtype) for what, m in models.items()}  # build, then move
         chunks = MoEModel(config, group=group, exchange=None, seed=3).to(device, dtype)
         ref = MoEModel(config, mode="dropless", seed=3).to(device, dtype)
         xs, projs = rank_inputs(rank, world, device, dtype)
-        for m in (model, resent, chunks, ref):
+        for m in (*models.values(), chunks, ref):
             m.zero_grad(set_to_none=True)
-        out = forward_backward(model, xs[rank], projs[rank])
-        kinds.append(model.exchange_kind)
-        out_resent = forward_backward(resent, xs[rank], projs[rank])
-        resent_kinds.append(resent.exchange_kind)
+        outs, moved = {}, {}
+        for what, m in models.items():
+            if m.exchange is not None:
+                m.exchange.reset_counters()
+            outs[what] = forward_backward(m, xs[rank], projs[rank])
+            counters = m.exchange.counters()
+            moved[what] = (counters["row_bytes_remote"], counters["row_bytes_local"])
+        kinds.append(models["default"].exchange_kind)
+        resent_kinds.append(models["resent"].exchange_kind)
+        assert moved["other order"] == moved["default"], moved
+        assert moved["other order, resent"] == moved["resent"], moved
         out_chunks = forward_backward(chunks, xs[rank], projs[rank])
         out_ref = forward_backward(ref, torch.cat(xs), torch.cat(projs)).chunk(world)[rank]
         tol = TOLERANCE[dtype]
-        torch.testing.assert_close(out, out_ref, **tol, msg=lambda m: f"output vs reference: {m}")
-        torch.testing.assert_close(out, out_chunks, **tol, msg=lambda m: f"output vs chunks: {m}")
-        torch.testing.assert_close(out_resent, out_ref, **tol,
-                                   msg=lambda m: f"resent output vs reference: {m}")
-        grads = {"default": gathered_grads(model, rank, world),
-                 "resent": gathered_grads(resent, rank, world),
-                 "chunks": gathered_grads(chunks, rank, world)}
+        torch.testing.assert_close(out_chunks, out_ref, **tol,
+                                   msg=lambda m: f"chunks output vs reference: {m}")
+        for what, out in outs.items():
+            torch.testing.assert_close(out, out_ref, **tol,
+                                       msg=lambda m: f"{what} output vs reference: {m}")
+        grads = {what: gathered_grads(m, rank, world) for what, m in models.items()}
+        grads["chunks"] = gathered_grads(chunks, rank, world)
         for name, q in ref.named_parameters():
             want = q.grad
             assert want.abs().max() > 1e-3, f"reference gradient of {name} is ~0"
@@ -126,8 +142,11 @@ def default_path_case(rank: int, world: int, device: torch.device, dtypes) -> di
                                       f"against reference magnitude {scale:.3g}")
     # what each keeps: the default model one [budget, hidden] received buffer per layer
     # beside the tokens' [T, hidden] tensors, the resent one only the latter
-    kept, kept_resent = saved_row_counts(model, xs[rank]), saved_row_counts(resent, xs[rank])
+    kept = saved_row_counts(models["default"], xs[rank])
     received = sorted(set(kept) - {T})
     assert len(received) == 1 and kept.count(received[0]) == config.layers, kept
-    assert set(kept_resent) == {T}, kept_resent
+    assert saved_row_counts(models["other order"], xs[rank]) == kept
+    for what in ("resent", "other order, resent"):
+        kept_resent = saved_row_counts(models[what], xs[rank])
+        assert set(kept_resent) == {T}, (what, kept_resent)
     return {"kinds": kinds, "resent_kinds": resent_kinds, "chunks_kind": chunks.exchange_kind}

@@ -34,6 +34,8 @@ def test_make_exchange_from_nothing():
         make_exchange(resend=True)
     with pytest.raises(TypeError, match="resend: expected a bool, got int"):
         make_exchange(resend=1)
+    with pytest.raises(ValueError, match="overlap_sms: only an expert-parallel live-row"):
+        make_exchange(overlap_sms=16)
 
 
 def _group_kinds(rank: int, world: int) -> list:
@@ -58,6 +60,17 @@ def _group_kinds(rank: int, world: int) -> list:
         make_exchange(group, kind="nccl chunks", resend=True)
     with pytest.raises(TypeError, match="resend: expected a bool, got str"):
         LiveRows(transport, resend="yes")
+    # pushes beside the experts (NOTE [exchange beside the experts]): off by default on the
+    # CPU, any count there means the early push home; refused by name where nothing pushes
+    assert live.overlap_sms == 0 and "overlap_sms=0" in repr(live)
+    assert make_exchange(transport=transport, overlap_sms=8).overlap_sms == 8
+    assert make_exchange(group, topk=2, num_experts=4, overlap_sms=0).overlap_sms == 0
+    with pytest.raises(ValueError, match="overlap_sms: NCCL's chunks run on NCCL's own"):
+        make_exchange(group, kind="nccl chunks", overlap_sms=8)
+    with pytest.raises(ValueError, match="overlap_sms: expected an int >= 0, got -1"):
+        LiveRows(transport, overlap_sms=-1)
+    with pytest.raises(TypeError, match="overlap_sms: expected an int, got bool"):
+        make_exchange(group, topk=2, num_experts=4, overlap_sms=True)
     return [type(chunks).__name__, chunks.chunk_rows, isinstance(chunks, NcclChunks),
             isinstance(lazy, GroupExchange), lazy.kind]
 

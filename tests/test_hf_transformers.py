@@ -446,11 +446,17 @@ def _ep_case(rank, world, device, seed):
                       resend_rows=True)
     with pytest.raises(TypeError, match="resend_rows: expected a bool, got str"):
         gst.configure(twin(ref, gst.IMPLEMENTATION), group=dist.group.WORLD, resend_rows="yes")
-    for resend_rows in (False, True):       # the rows kept, then resent (NOTE [resent rows])
+    with pytest.raises(ValueError, match="overlap_sms: expected an int >= 0, got -2"):
+        gst.configure(twin(ref, gst.IMPLEMENTATION), group=dist.group.WORLD, overlap_sms=-2)
+    # the rows kept, then resent (NOTE [resent rows]), then resent with the backward pushes
+    # in the order the default does not take on this device (NOTE [exchange beside the
+    # experts]: beside the GEMMs by default on a GPU, in line on the CPU)
+    other = {"overlap_sms": 0 if device.type == "cuda" else 1}
+    for kwargs in ({}, {"resend_rows": True}, {"resend_rows": True, **other}):
+        resend_rows = kwargs.get("resend_rows", False)
         ref.zero_grad(set_to_none=True)
         ref.cpu()
         ours = twin(ref, gst.IMPLEMENTATION)
-        kwargs = {"resend_rows": True} if resend_rows else {}
         names = gst.configure(ours, capacity_factor=float(world), group=dist.group.WORLD,
                               **kwargs)
         ref.to(device)

@@ -144,6 +144,22 @@ def test_resend_rows_is_refused_where_nothing_resends():
     assert model.exchange_kind == "one device"
 
 
+def test_overlap_sms_is_checked_by_name():
+    with pytest.raises(ValueError, match="overlap_sms: expected an int >= 0, got -1"):
+        MoEConfig(overlap_sms=-1)
+    with pytest.raises(TypeError, match="overlap_sms: expected an int, got float"):
+        MoEConfig(overlap_sms=1.5)
+    # one device: nothing is pushed, so nothing runs beside the experts and the handle
+    # refuses to push home
+    from graphstash.moe import dispatch
+
+    x, idx = torch.randn(8, 16), torch.randint(0, 4, (8, 2))
+    _, _, handle = dispatch(x, idx, torch.rand(8, 2), 4, budget=None)
+    assert not handle.overlaps and handle.beside() is None
+    with pytest.raises(ValueError, match="handle: send_home\\(\\) needs an expert-parallel"):
+        handle.send_home(torch.zeros(handle.budget_rows, 16))
+
+
 def test_config_is_frozen():
     config = MoEConfig(hidden=16, attention=True, heads=4)
     with pytest.raises(dataclasses.FrozenInstanceError, match="heads"):

@@ -98,12 +98,14 @@ def test_keep_rows_equals_the_whole_budget_while_the_rows_fit_and_flags_when_not
 
 
 def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int, seed: int,
-                            steps: int, route, probe=None, resend_rows: bool = False):
+                            steps: int, route, probe=None, resend_rows: bool = False,
+                            overlap_sms: int | None = None):
     """README's ``MoEModel(config, group=g)`` in stash mode (every group stashed) under
     graph_step, its experts trained on this rank's tokens, against the dropless model trained
     on every rank's; ``route(i, model, ref)`` sets both routings before step ``i``; ``probe()``,
-    if given, runs inside the step function, after the backward; ``resend_rows``: the
-    config's (NOTE [resent rows]). Checks the experts end equal and returns the decorated step
+    if given, runs inside the step function, after the backward; ``resend_rows`` and
+    ``overlap_sms``: the config's (NOTE [resent rows], NOTE [exchange beside the experts]: on
+    the CPU 1 pushes the input gradients home from the experts' backward, in line). Checks the experts end equal and returns the decorated step
     (``.stats``, ``.stash_manager``)."""
     import torch.distributed as dist
 
@@ -117,7 +119,8 @@ def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int,
     config = MoEConfig(hidden=16, ffn=16, num_experts=E, topk=2, layers=3, num_tokens=tokens,
                        capacity_factor=float(world), pad_multiple=4, gated=True,
                        routing=routing)
-    model = MoEModel(dataclasses.replace(config, resend_rows=resend_rows), mode="stash",
+    model = MoEModel(dataclasses.replace(config, resend_rows=resend_rows,
+                                         overlap_sms=overlap_sms), mode="stash",
                      group=dist.group.WORLD, seed=5)
     ref = MoEModel(config, mode="dropless", seed=5)
     experts, ref_experts = train_experts_only(model), train_experts_only(ref)
@@ -167,7 +170,8 @@ def _drift(i: int, model, ref) -> None:
         b.routing_bias.copy_(a.routing_bias)
 
 
-def _model_ranks(rank: int, world: int, resend_rows: bool = False) -> dict:
+def _model_ranks(rank: int, world: int, resend_rows: bool = False,
+                 overlap_sms: int | None = None) -> dict:
     """Routing that drifts between the ranks' experts, so some steps fill more rows than the
     first step measured; every dispatch's kept rows recorded; ``resend_rows``: the rows
     pushed again in backward, not kept (NOTE [resent rows])."""
@@ -185,7 +189,8 @@ def _model_ranks(rank: int, world: int, resend_rows: bool = False) -> dict:
     ExchangePlan.keep_rows = spy
     try:
         stats = _train_against_dropless(rank, world, routing="drift:0.7:2", tokens=32, seed=11,
-                                        steps=8, route=_drift, resend_rows=resend_rows).stats
+                                        steps=8, route=_drift, resend_rows=resend_rows,
+                                        overlap_sms=overlap_sms).stats
     finally:
         ExchangePlan.keep_rows = real_keep
     assert kept_rows and all(rows < budget for rows, budget in kept_rows), kept_rows
@@ -198,9 +203,12 @@ def _model_ranks(rank: int, world: int, resend_rows: bool = False) -> dict:
             "every_rank_reran": int(overflowed)}
 
 
-@pytest.mark.parametrize("resend_rows", [False, True], ids=["kept", "resent"])
-def test_moe_model_stash_computes_on_the_kept_rows_and_trains_as_dropless(resend_rows):
-    results = run_ranks(_model_ranks, 2, resend_rows)
+@pytest.mark.parametrize("resend_rows,overlap_sms", [(False, None), (True, None), (False, 1),
+                                                    (True, 1)],
+                         ids=["kept", "resent", "kept-sent-home-early", "resent-sent-home-early"])
+def test_moe_model_stash_computes_on_the_kept_rows_and_trains_as_dropless(resend_rows,
+                                                                          overlap_sms):
+    results = run_ranks(_model_ranks, 2, resend_rows, overlap_sms)
     for text in results:
         report = eval(text)
         # the three layers of at least the first step after the plan computed on fewer rows

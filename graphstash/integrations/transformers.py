@@ -298,7 +298,7 @@ def _shard(module: nn.Module, name: str, group, world: int, rank: int) -> int:
 
 def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = True,
               group=None, exchange="auto", num_tokens: int | None = None,
-              resend_rows: bool = False) -> list[str]:
+              resend_rows: bool = False, overlap_sms: int | None = None) -> list[str]:
     """Set how the ``"graphstash"`` experts backend runs the experts of ``model``.
 
     Call it after ``model.set_experts_implementation("graphstash")`` (or loading with
@@ -331,6 +331,9 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
             in ``graphstash/moe/exchange/live.py``); refused with NCCL's chunks
             (``exchange=None``). Ignored on one device, where the rows are gathered again
             anyway.
+        overlap_sms: with ``group`` and the live-row exchange, the multiprocessors a backward
+            push takes beside the experts' GEMMs (NOTE [exchange beside the experts] in
+            ``graphstash/moe/exchange/overlap.py``); 0: none; None: the exchange's default.
 
     Returns the names of the experts modules configured. Raises ValueError when ``model`` has no
     experts module, uses another experts implementation, or has experts the backend does not
@@ -371,6 +374,8 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
         require_positive_int("num_tokens", num_tokens)
     if not isinstance(resend_rows, bool):
         raise TypeError(f"resend_rows: expected a bool, got {type(resend_rows).__name__}")
+    if overlap_sms is not None:
+        require_positive_int("overlap_sms", overlap_sms, allow_zero=True)
     if resend_rows and world > 1 and exchange is None:
         raise ValueError("resend_rows: NCCL's chunks (exchange=None) keep what arrived; only the "
                          "live-row exchange pushes rows again (NOTE [resent rows]): pass "
@@ -384,11 +389,12 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
         budgets = DispatchBudgets(float(capacity_factor))     # NOTE [experts budget]
         if exchange == "auto":
             row_exchange = _group_exchange(model, modules, capacity_factor, group, num_tokens,
-                                           budgets, resend_rows)
+                                           budgets, resend_rows, overlap_sms)
         elif exchange is None:
             row_exchange = make_exchange(group, kind="nccl chunks")
         elif isinstance(exchange, Transport):
-            row_exchange = make_exchange(transport=exchange, resend=resend_rows)
+            row_exchange = make_exchange(transport=exchange, resend=resend_rows,
+                                         overlap_sms=overlap_sms)
         else:
             raise TypeError(f"exchange: expected 'auto', None or a graphstash.moe.exchange."
                             f"Transport, got {type(exchange).__name__}")
@@ -405,7 +411,8 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
 
 
 def _group_exchange(model: nn.Module, modules, capacity_factor: float, group,
-                    num_tokens: int | None, budgets, resend_rows: bool):
+                    num_tokens: int | None, budgets, resend_rows: bool,
+                    overlap_sms: int | None):
     """The live-row exchange every experts module of ``model`` shares, built at the first
     forward where the model then runs (NOTE [exchange built where it runs] in
     ``graphstash/moe/exchange/factory.py``)."""
@@ -419,7 +426,7 @@ def _group_exchange(model: nn.Module, modules, capacity_factor: float, group,
     E = max(m.num_experts for _, m in modules)
     return make_exchange(group, topk=top_k, num_experts=E, capacity_factor=capacity_factor,
                          num_tokens=num_tokens, owner="configure", budgets=budgets,
-                         resend=resend_rows)
+                         resend=resend_rows, overlap_sms=overlap_sms)
 
 
 def _warn_bincount_aux_loss(model: nn.Module) -> None:

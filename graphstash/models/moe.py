@@ -56,6 +56,10 @@ class MoEConfig:
     # expert parallel, live rows: push the rows again in backward instead of keeping what
     # arrived (NOTE [resent rows] in graphstash/moe/exchange/live.py)
     resend_rows: bool = False
+    # expert parallel, live rows: multiprocessors a backward push takes beside the expert
+    # GEMMs; None: the exchange's default, 0: none (NOTE [exchange beside the experts] in
+    # graphstash/moe/exchange/overlap.py)
+    overlap_sms: int | None = None
 
     def __post_init__(self):
         for name in ("hidden", "ffn", "num_experts", "topk", "layers", "num_tokens", "heads",
@@ -69,6 +73,8 @@ class MoEConfig:
             _require_float("chunk_factor", self.chunk_factor)
         if self.pad_multiple is not None:
             _require_int("pad_multiple", self.pad_multiple, minimum=1)
+        if self.overlap_sms is not None:
+            _require_int("overlap_sms", self.overlap_sms, minimum=0)
         for name in ("attention", "gated", "resend_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}: expected a bool, got "
@@ -306,13 +312,14 @@ class MoEModel(nn.Module):
             if mode == "plain":
                 raise ValueError("exchange: the plain peer sends its rows with all_to_all; "
                                  "pass exchange=None (or 'auto') with mode='plain'")
-            self._exchange = make_exchange(transport=exchange, resend=config.resend_rows)
+            self._exchange = make_exchange(transport=exchange, resend=config.resend_rows,
+                                           overlap_sms=config.overlap_sms)
         elif group is not None and mode != "plain" and exchange == "auto":
             self._exchange = make_exchange(
                 group, topk=config.topk, num_experts=config.num_experts,
                 capacity_factor=config.capacity_factor, pad_multiple=config.pad_multiple,
                 num_tokens=config.num_tokens, owner="MoEModel", budgets=self.budgets,
-                resend=config.resend_rows)
+                resend=config.resend_rows, overlap_sms=config.overlap_sms)
         self._warned_unstashed = False
         self.set_routing_step(0)
 

@@ -127,19 +127,45 @@ class DispatchHandle:
         ``graphstash/moe/exchange/live.py``)."""
         return self.local or bool(getattr(self.exchange, "resend", False))
 
-    def regather(self, source: torch.Tensor) -> torch.Tensor:
+    def regather(self, source: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The permuted rows of ``source`` (``[num_tokens, hidden]``, the dispatched tokens,
         on their device, in their dtype), as the dispatch computed them, without autograd: one
         gather on one device; under expert parallelism, the exchange's resend, a collective
-        (NOTE [resent rows]). Other expert-parallel dispatches: refused."""
+        (NOTE [resent rows]), written into ``out`` (``[budget_rows, hidden]``, source's dtype
+        and device) when given. Other expert-parallel dispatches: refused."""
         if not self.regathers:
             raise ValueError("handle: regather() needs a one-device dispatch or an exchange "
                              "that resends its rows; this one is expert-parallel over "
                              f"{self.exchange!r}")
         source = source.detach().contiguous()
         if not self.local:
-            return self.exchange.resend_rows(source, self.plan, self.kernels)
-        return _tokens_to_rows(source, self.plan, self.kernels)
+            return self.exchange.resend_rows(source, self.plan, self.kernels, out)
+        rows = _tokens_to_rows(source, self.plan, self.kernels)
+        return rows if out is None else out.copy_(rows)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether :meth:`beside` gives something (without making it)."""
+        return (not self.local and not torch.compiler.is_compiling()
+                and bool(getattr(self.exchange, "overlap_sms", 0)))
+
+    def beside(self):
+        """What runs this dispatch's backward pushes beside the experts' GEMMs (a
+        :class:`~graphstash.moe.exchange.overlap.Beside`: NOTE [exchange beside the experts]
+        in ``graphstash/moe/exchange/overlap.py``), or None: on one device, through an
+        exchange that does not overlap, or while torch.compile traces."""
+        return self.exchange.beside() if self.overlaps else None
+
+    def send_home(self, grad_rows: torch.Tensor) -> None:
+        """Push ``grad_rows`` (``[budget_rows, hidden]``, contiguous, the gradient of the
+        permuted rows, on their device) home ahead of the dispatch's backward, which then
+        pushes only the router weights' gradients; a collective (NOTE [exchange beside the
+        experts]). Only for an exchange whose :meth:`beside` is not None."""
+        if not self.overlaps:
+            raise ValueError(f"handle: send_home() needs an expert-parallel exchange that "
+                             f"overlaps its pushes; this dispatch went through "
+                             f"{self.exchange!r}")
+        self.exchange.send_home(grad_rows, self.plan)
 
     def check_expert_input(self, x: torch.Tensor) -> None:
         """Refuse (ValueError naming ``handle`` or ``x``) unless ``x`` is the very permuted
@@ -326,8 +352,11 @@ class RowExchange(Protocol):
     ``dispatch(keep_rows=)``) says so with ``keeps_rows = True``; without it, False. One that
     can push a dispatch's rows again in backward (NOTE [resent rows] in
     ``graphstash/moe/exchange/live.py``) says so with ``resend`` True and does it in
-    ``resend_rows(x, plan, kernels)``; without it, the experts keep what arrived. The
-    live-row exchange lives above this
+    ``resend_rows(x, plan, kernels, out)``; without it, the experts keep what arrived. One
+    that can run its backward pushes beside the experts' GEMMs (NOTE [exchange beside the
+    experts] in ``graphstash/moe/exchange/overlap.py``) gives what runs them from
+    ``beside()`` (None when it does not) and pushes the input gradients home early in
+    ``send_home(grad_rows, plan)``. The live-row exchange lives above this
     module, so dispatch knows it only through this protocol and never imports it; a
     :class:`~graphstash.moe.exchange.Transport` given as ``exchange=`` is turned into one by
     the adapter its package registers (:func:`register_transport_adapter`).

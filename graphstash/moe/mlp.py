@@ -73,10 +73,15 @@ At its worst point the second GEMM's backward now holds, beside the ``[rows, hid
 output gradient, the pre-activation (then its gradient, in the same memory) and one
 ``[rows, ffn]`` block (the activation's gradient, then the recomputed activation): two such
 blocks instead of three for plain experts, three instead of five for gated ones (whose
-pre-activation is ``[rows, 2 * ffn]``).
+pre-activation is ``[rows, 2 * ffn]``). Under an exchange that runs its backward pushes
+beside the GEMMs (NOTE [exchange beside the experts] in
+``graphstash/moe/exchange/overlap.py``) the order is the one that overlap needs instead: the
+first GEMM's input gradient comes right after the pre-activation's, and with the rows resent
+they and that gradient are alive at once, one ``[rows, hidden]`` block more.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 
@@ -94,33 +99,112 @@ from .experts import (TRUSTED, check_counts, check_grouped_args, grouped_mm_grad
 __all__ = ["expert_mlp"]
 
 
-class _RegatheredGEMM(torch.autograd.Function):
-    """``pre = grouped_mm(x, w1)`` keeping the dispatched tokens instead of x (NOTE
-    [regathered input]); x's gradient flows on to the dispatch, the tokens get none here."""
+class _Overlap:
+    """What the two expert GEMMs' backwards share when the exchange's pushes run beside them
+    (NOTE [exchange beside the experts] in ``graphstash/moe/exchange/overlap.py``): made in
+    the forward, filled by :class:`_ActivatedGEMM`'s backward (which runs first: the first
+    GEMM's output feeds only the second), read and emptied by :class:`_HandledGEMM`'s.
+
+    The second GEMM's backward starts the resend on the side stream (the tokens are kept
+    there, not by the first GEMM), computes the first GEMM's input gradient right after the
+    pre-activation's (``w1`` is a parameter: keeping it costs nothing) and pushes it home on
+    the side stream; both weight gradients then run beside that push, with the SMs it takes
+    carved out. So the push home has both weight gradients beside it, the resend both input
+    gradients of the second GEMM and the first."""
+
+    def __init__(self, handle, w1, counts, impl, bad, regathers: bool):
+        self.handle, self.w1, self.counts, self.impl, self.bad = handle, w1, counts, impl, bad
+        self.regathers = regathers
+        self.beside = self.x = self.resent = self.grad_x = None
+        self.grad_pre = None            # (the pre-activation's gradient, its version)
+
+    def backward_of_second(self, source, grad_pre_of):
+        """In :class:`_ActivatedGEMM`'s backward: start the resend of ``source`` (the tokens,
+        or None), run ``grad_pre_of(carve)`` (the second GEMM's input gradient and the
+        activation's backward, GEMMs under ``carve``), the first GEMM's input gradient, and
+        push it home. Returns the pre-activation's gradient."""
+        handle = self.handle
+        beside = self.beside = handle.beside()
+        carve = beside.carved if self.regathers else contextlib.nullcontext
+        if self.regathers:
+            x = source.new_empty(handle.budget_rows, source.shape[1])   # main stream
+            with beside.side():
+                handle.regather(source, out=x)
+            self.x, self.resent = x, beside.mark()
+        grad_pre = grad_pre_of(carve)
+        with carve():
+            grad_x, _ = grouped_mm_grads(grad_pre, None, self.w1, self.counts, self.impl,
+                                         bad=self.bad, need_weight=False)
+        self.grad_x = grad_x.contiguous()
+        self.grad_pre = (grad_pre, grad_pre._version)
+        with beside.side():
+            handle.send_home(self.grad_x)
+        return grad_pre
+
+    def backward_of_first(self, grad, kept, w1, counts):
+        """In :class:`_HandledGEMM`'s backward: ``(grad_x, grad_w1)``, the weight gradient
+        beside the push home, then the main stream joins the side stream."""
+        beside = self.beside
+        if beside is None:
+            raise RuntimeError("expert_mlp: the first expert GEMM's backward ran before the "
+                               "second's, which the exchange's overlap relies on")
+        x = self.x if self.regathers else kept
+        sent, version = self.grad_pre
+        grad_x = self.grad_x
+        if not (grad.data_ptr() == sent.data_ptr() and grad._version == version
+                and grad.shape == sent.shape):
+            # another gradient than the one pushed: the dispatch's backward sees it is not
+            # the tensor sent home and pushes this one (NOTE [exchange beside the experts])
+            grad_x, _ = grouped_mm_grads(grad, None, w1, counts, self.impl, bad=self.bad,
+                                         need_weight=False)
+        beside.wait(self.resent)
+        with beside.carved():
+            _, grad_w = grouped_mm_grads(grad, x, w1, counts, self.impl, bad=self.bad,
+                                         need_x=False)
+        beside.join()      # everything the side stream read or wrote stays referenced until here
+        self.beside = self.x = self.resent = self.grad_x = self.grad_pre = None
+        return grad_x, grad_w
+
+
+class _HandledGEMM(torch.autograd.Function):
+    """``pre = grouped_mm(x, w1)`` given the dispatch's handle: keeping the dispatched tokens
+    instead of x when ``source`` is given (NOTE [regathered input]), x otherwise, or neither
+    under ``overlap`` with the rows resent (the second GEMM keeps the tokens then); x's
+    gradient flows on to the dispatch, the tokens get none here. Under ``overlap`` (an
+    :class:`_Overlap`) the backward runs beside the exchange's pushes (NOTE [exchange beside
+    the experts] in ``graphstash/moe/exchange/overlap.py``)."""
 
     @staticmethod
-    def forward(ctx, x, source, w1, counts, impl, handle, bad):
-        ctx.save_for_backward(source, w1, counts)
+    def forward(ctx, x, source, w1, counts, impl, handle, bad, overlap):
+        ctx.regathers = source is not None
+        ctx.overlap = overlap
+        kept = source if ctx.regathers else (None if overlap and overlap.regathers else x)
+        ctx.save_for_backward(kept, w1, counts)
         # the handle without its own reference to the tokens: they reach backward only
         # through save_for_backward (saved-tensor hooks); a weak one checks their version
         ctx.impl, ctx.bad = impl, bad
         ctx.handle = dataclasses.replace(handle, source=None, permuted_ref=None)
-        ctx.source_ref = weakref.ref(source)
+        ctx.source_ref = weakref.ref(source) if ctx.regathers else None
         return grouped_product(x, w1, counts, impl, bad)
 
     @staticmethod
     def backward(ctx, grad):
-        source, w1, counts = ctx.saved_tensors
-        ctx.handle.check_source(ctx.source_ref())       # NOTE [regathered input]
+        kept, w1, counts = ctx.saved_tensors
+        handle = ctx.handle
         grad = grad.contiguous()
-        x = ctx.handle.regather(source)
-        del source
+        if ctx.overlap is not None:
+            grad_x, grad_w = ctx.overlap.backward_of_first(grad, kept, w1, counts)
+            return grad_x, None, grad_w, None, None, None, None, None
+        if ctx.regathers:
+            handle.check_source(ctx.source_ref())       # NOTE [regathered input]
+        x = handle.regather(kept) if ctx.regathers else kept
+        del kept
         # NOTE [expert backward temporaries]: x is freed before x's gradient takes its place
         _, grad_w = grouped_mm_grads(grad, x, w1, counts, ctx.impl, bad=ctx.bad, need_x=False)
         del x
         grad_x, _ = grouped_mm_grads(grad, None, w1, counts, ctx.impl, bad=ctx.bad,
                                      need_weight=False)
-        return grad_x, None, grad_w, None, None, None, None
+        return grad_x, None, grad_w, None, None, None, None, None
 
 
 class _ActivatedGEMM(torch.autograd.Function):
@@ -129,7 +213,8 @@ class _ActivatedGEMM(torch.autograd.Function):
     kernels]); the biases as NOTE [expert biases] in ``expert_bias.py`` says."""
 
     @staticmethod
-    def forward(ctx, pre, row_weight, w2, counts, impl, gated, bad, layout, bias1, bias2):
+    def forward(ctx, pre, row_weight, w2, counts, impl, gated, bad, layout, bias1, bias2,
+                source=None, overlap=None):
         act, interleaved = layout
         ops = kernels_for("auto", pre.device)
         live = counts.sum().view(1)
@@ -141,13 +226,15 @@ class _ActivatedGEMM(torch.autograd.Function):
         y = grouped_product(a, w2, counts, impl, bad)
         if bias2 is not None:
             y = add_row_bias(y, bias2, ends, row_weight)
-        ctx.save_for_backward(pre, row_weight, w2, counts, bias1, bias2)
+        ctx.save_for_backward(pre, row_weight, w2, counts, bias1, bias2, source)
         ctx.impl, ctx.gated, ctx.ops, ctx.bad, ctx.layout = impl, gated, ops, bad, layout
+        ctx.overlap = overlap
+        ctx.source_ref = weakref.ref(source) if source is not None else None
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        pre, row_weight, w2, counts, bias1, bias2 = ctx.saved_tensors
+        pre, row_weight, w2, counts, bias1, bias2, source = ctx.saved_tensors
         ops, impl, gated = ctx.ops, ctx.impl, ctx.gated
         act, interleaved = ctx.layout
         grad_y = grad_y.contiguous()
@@ -156,24 +243,41 @@ class _ActivatedGEMM(torch.autograd.Function):
         grad_b2 = None
         if bias2 is not None and ctx.needs_input_grad[9]:
             grad_b2 = segment_sum(grad_y, row_weight, counts, impl)
-        # NOTE [expert backward temporaries]: the activation's gradient first; the fused
-        # kernel then writes the recomputed activation over it, which lives only for the
-        # weight gradient
-        grad_a, _ = grouped_mm_grads(grad_y, None, w2, counts, impl, bad=ctx.bad,
-                                     need_weight=False)
-        grad_a = grad_a.contiguous()
         grad_row = None
         if row_weight is not None and ctx.needs_input_grad[1]:
             grad_row = torch.empty(pre.shape[0], dtype=acc_dtype(pre.dtype), device=pre.device)
-        over = _may_overwrite(pre)
-        grad_pre = pre if over else torch.empty_like(pre)
-        ops.act_backward(grad_pre, grad_row, grad_a, pre, row_weight, live, gated=gated,
-                         write_act=True, activation=act.kind, constants=act.constants(),
-                         interleaved=interleaved, bias=bias1, ends=ends)
-        if over:
-            torch.autograd.graph.increment_version(pre)
-        a, grad_a = grad_a, None
-        _, grad_w2 = grouped_mm_grads(grad_y, a, w2, counts, impl, bad=ctx.bad, need_x=False)
+        kept_a = []
+
+        def grad_pre_of(carve, grad_y=grad_y):
+            # NOTE [expert backward temporaries]: the activation's gradient first; the fused
+            # kernel then writes the recomputed activation over it, which lives only for the
+            # weight gradient
+            with carve():
+                grad_a, _ = grouped_mm_grads(grad_y, None, w2, counts, impl, bad=ctx.bad,
+                                             need_weight=False)
+            grad_a = grad_a.contiguous()
+            over = _may_overwrite(pre)
+            grad_pre = pre if over else torch.empty_like(pre)
+            ops.act_backward(grad_pre, grad_row, grad_a, pre, row_weight, live, gated=gated,
+                             write_act=True, activation=act.kind, constants=act.constants(),
+                             interleaved=interleaved, bias=bias1, ends=ends)
+            if over:
+                torch.autograd.graph.increment_version(pre)
+            kept_a.append(grad_a)           # now the recomputed activation
+            return grad_pre
+
+        overlap = ctx.overlap
+        if overlap is None:
+            grad_pre = grad_pre_of(contextlib.nullcontext)
+        else:
+            if source is not None:
+                overlap.handle.check_source(ctx.source_ref())   # NOTE [regathered input]
+            grad_pre = overlap.backward_of_second(source, grad_pre_of)
+        del source, grad_pre_of
+        a = kept_a.pop()
+        with overlap.beside.carved() if overlap is not None else contextlib.nullcontext():
+            _, grad_w2 = grouped_mm_grads(grad_y, a, w2, counts, impl, bad=ctx.bad,
+                                          need_x=False)
         del a
         if grad_row is not None:
             if bias2 is not None:          # NOTE [expert biases]: y holds row_weight * b2
@@ -187,7 +291,8 @@ class _ActivatedGEMM(torch.autograd.Function):
         grad_b1 = None
         if bias1 is not None and ctx.needs_input_grad[8]:
             grad_b1 = segment_sum(grad_pre, None, counts, impl)
-        return grad_pre, grad_row, grad_w2, None, None, None, None, None, grad_b1, grad_b2
+        return (grad_pre, grad_row, grad_w2, None, None, None, None, None, grad_b1, grad_b2,
+                None, None)
 
 
 def _may_overwrite(saved: torch.Tensor) -> bool:
@@ -284,23 +389,33 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         if (tuple(bias.shape) != (w1.shape[0], width) or bias.dtype != x.dtype
                 or bias.device != x.device):
             raise ValueError(f"{name}: expected {expected}, got {describe(bias)}")
-    regather = False
+    regather = overlap = False
     if handle is not None:
         check_handle(handle)
         regather = handle.regathers and handle.source is not None
         if regather:
             handle.check_expert_input(x)             # NOTE [regathered input]
+        overlap = handle.overlaps
     # NOTE [expert counts]: a dispatch's own counts need no check; others are checked once
     impl1 = resolve_impl(x, w1, impl)
     bad = TRUSTED
     if handle is None or not handle.trusts_counts(tokens_per_expert):
         bad = check_counts(tokens_per_expert, x.shape[0], impl1)
-    if regather:
-        pre = _RegatheredGEMM.apply(x, handle.source, w1, tokens_per_expert, impl1, handle, bad)
+    # NOTE [exchange beside the experts]: only where x's gradient goes home
+    ahead = None
+    if overlap and x.requires_grad and torch.is_grad_enabled():
+        ahead = _Overlap(dataclasses.replace(handle, source=None, permuted_ref=None), w1,
+                         tokens_per_expert, impl1, bad, regather)
+    source = handle.source if regather else None
+    if ahead is not None:
+        pre = _HandledGEMM.apply(x, None, w1, tokens_per_expert, impl1, handle, bad, ahead)
+    elif regather:
+        pre = _HandledGEMM.apply(x, source, w1, tokens_per_expert, impl1, handle, bad, None)
     else:
         pre = grouped_mm_resolved(x, w1, tokens_per_expert, impl1, bad)
     # the second GEMM's input is the activation, [rows, w2 columns]: resolved on a view of
     # that width, since its row bytes decide the native op's layout check as x's did the first
     impl2 = resolve_impl(pre.narrow(1, 0, w2.shape[2]), w2, impl)
     return _ActivatedGEMM.apply(pre, row_weight, w2, tokens_per_expert, impl2, gated, bad,
-                                (act, interleaved), bias1, bias2)
+                                (act, interleaved), bias1, bias2,
+                                source if ahead is not None else None, ahead)

@@ -75,6 +75,15 @@ def _combine_direction(plan: ExchangePlan, rows=None, weights=None) -> None:
     t.barrier(plan.status)
 
 
+def _sent_home(plan: ExchangePlan, rows: torch.Tensor | None) -> bool:
+    """Whether ``rows`` (``[R, H]``, or None) are the input gradients the experts' backward pushed home
+    already, unchanged since (:func:`exchange_send_home`); forgets them either way."""
+    sent, plan.sent_home[:] = list(plan.sent_home), []
+    return rows is not None and any(s.data_ptr() == rows.data_ptr() and s.shape == rows.shape
+               and s.stride() == rows.stride() and s.dtype == rows.dtype
+               and rows._version == version for s, version in sent)
+
+
 class _DispatchExchange(torch.autograd.Function):
     """x [T, H], topk_weight [T, K] -> permuted [R, H], row weights [R]."""
 
@@ -109,7 +118,12 @@ class _DispatchExchange(torch.autograd.Function):
             if grad_weight is None:
                 grad_weight = torch.zeros(R, dtype=ctx.w_dtype, device=device)
             weights = grad_weight.reshape(R).contiguous()
-        _combine_direction(plan, rows, weights)
+        if _sent_home(plan, rows):
+            rows = None     # already home (NOTE [exchange beside the experts] in overlap.py)
+            if weights is not None:
+                _combine_direction(plan, None, weights)
+        else:
+            _combine_direction(plan, rows, weights)
         grad_x = grad_w = None
         if need_x:              # each token: the unweighted sum of its kept pairs' rows
             grad_x = torch.empty(T, H, dtype=ctx.x_dtype, device=device)
@@ -192,16 +206,30 @@ def exchange_dispatch(x: torch.Tensor, topk_weight: torch.Tensor, plan: Exchange
     return _DispatchExchange.apply(x, topk_weight, plan, moe_ops)
 
 
-def exchange_resend(x: torch.Tensor, plan: ExchangePlan, moe_ops) -> torch.Tensor:
+def exchange_resend(x: torch.Tensor, plan: ExchangePlan, moe_ops,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """The permuted rows ``[R, H]`` of this rank's experts pushed again from the tokens ``x``
     (``[T, H]``, the very tokens the plan's dispatch sent, unchanged since), without autograd
     and without the router weights: what :func:`exchange_dispatch` received, row for row
-    (NOTE [resent rows] in ``live.py``). A collective, inside a CUDA graph too: every rank
-    calls it at the same point of its step (a layer's backward)."""
-    out = x.new_empty(plan.budget_rows, x.shape[1])
+    (NOTE [resent rows] in ``live.py``), written into ``out`` (``[R, H]``, x's dtype and
+    device) when given. A collective, inside a CUDA graph too: every rank calls it at the same
+    point of its step (a layer's backward)."""
+    if out is None:
+        out = x.new_empty(plan.budget_rows, x.shape[1])
     _dispatch_direction(plan, moe_ops, (x.detach().contiguous(), plan.token_of_slot, out),
                         fresh=False)
     return out
+
+
+def exchange_send_home(grad_rows: torch.Tensor, plan: ExchangePlan) -> None:
+    """Push the input gradients of the permuted rows (``[R, H]``, contiguous, the dtype and
+    device of the rows the plan's dispatch received) home now, ahead of the dispatch's
+    backward, which then finds them there and pushes only the router weights' gradients
+    (NOTE [exchange beside the experts] in ``overlap.py``). Only if ``grad_rows`` reaches that
+    backward unchanged (the same tensor, the same version); anything else is pushed again
+    there. A collective: every rank calls it at the same point of its backward."""
+    _combine_direction(plan, grad_rows)
+    plan.sent_home[:] = [(grad_rows, grad_rows._version)]
 
 
 def exchange_combine(y: torch.Tensor, topk_weight: torch.Tensor | None, plan: ExchangePlan,

@@ -54,7 +54,8 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
                   num_experts: int | None = None, capacity_factor: float = 1.25,
                   pad_multiple: int | None = None, num_tokens: int | None = None,
                   chunk_rows: int | None = None, owner: str = "make_exchange",
-                  timeout_s: float = DEFAULT_TIMEOUT_S, budgets=None, resend: bool = False):
+                  timeout_s: float = DEFAULT_TIMEOUT_S, budgets=None, resend: bool = False,
+                  overlap_sms: int | None = None):
     """The one factory of row exchanges (NOTE [row exchange] in ``graphstash/moe/_dispatch.py``),
     for ``exchange=`` of :func:`~graphstash.moe.dispatch` and :func:`~graphstash.moe.moe_layer`:
 
@@ -71,7 +72,9 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
 
     ``resend=True`` (live rows only): the experts' backward pushes the rows again instead of
     keeping what arrived, one ``[budget, hidden]`` tensor less per layer for one more push
-    (NOTE [resent rows] in ``live.py``).
+    (NOTE [resent rows] in ``live.py``). ``overlap_sms`` (live rows only): the
+    multiprocessors a backward push takes beside the experts' GEMMs (:class:`LiveRows`; NOTE
+    [exchange beside the experts] in ``overlap.py``).
 
     Example: ``exchange = make_exchange(group, topk=8, num_experts=128, capacity_factor=1.25)``.
     """
@@ -82,7 +85,7 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
     if transport is not None:
         if group is not None and group is not transport.group:
             raise ValueError("group: expected None or the group the transport was built over")
-        return LiveRows(transport, resend=resend)
+        return LiveRows(transport, resend=resend, overlap_sms=overlap_sms)
     if group is None:
         if chunk_rows is not None:
             raise ValueError("chunk_rows: NCCL's chunks need a group")
@@ -90,11 +93,19 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
             raise ValueError("resend: only an expert-parallel live-row exchange pushes rows "
                              "again; with no group or transport every expert is on this "
                              "device (pass resend=False)")
+        if overlap_sms is not None:
+            raise ValueError("overlap_sms: only an expert-parallel live-row exchange runs "
+                             "pushes beside the experts; with no group or transport every "
+                             "expert is on this device (pass overlap_sms=None)")
         return None
     if kind == "nccl chunks":
         if resend:
             raise ValueError("resend: NCCL's chunks keep what arrived; only kind='live rows' "
                              "pushes rows again (pass resend=False)")
+        if overlap_sms is not None:
+            raise ValueError("overlap_sms: NCCL's chunks run on NCCL's own kernels; only "
+                             "kind='live rows' runs pushes beside the experts (pass "
+                             "overlap_sms=None)")
         return NcclChunks(group, chunk_rows)
     if chunk_rows is not None:
         raise ValueError("chunk_rows: the live-row exchange sends no chunks; pass "
@@ -105,7 +116,7 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
     return GroupExchange(group, topk=topk, num_experts=num_experts,
                          capacity_factor=capacity_factor, pad_multiple=pad_multiple,
                          num_tokens=num_tokens, owner=owner, timeout_s=timeout_s,
-                         budgets=budgets, resend=resend)
+                         budgets=budgets, resend=resend, overlap_sms=overlap_sms)
 
 
 class GroupExchange:
@@ -125,12 +136,14 @@ class GroupExchange:
             and is built again, larger, at the first eager forward after one grew past it.
         resend: the live rows' ``resend`` (NOTE [resent rows] in ``live.py``); NCCL's chunks,
             where no transport can be built, keep what arrived.
+        overlap_sms: the live rows' ``overlap_sms`` (NOTE [exchange beside the experts] in
+            ``overlap.py``), checked when their transport is built.
     """
 
     def __init__(self, group, *, topk: int, num_experts: int, capacity_factor: float,
                  pad_multiple: int | None = None, num_tokens: int | None = None,
                  owner: str = "the exchange", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 budgets=None, resend: bool = False):
+                 budgets=None, resend: bool = False, overlap_sms: int | None = None):
         import torch.distributed as dist
 
         require_positive_int("topk", topk)
@@ -153,6 +166,9 @@ class GroupExchange:
         if not isinstance(resend, bool):
             raise TypeError(f"resend: expected a bool, got {type(resend).__name__}")
         self.resend = resend
+        if overlap_sms is not None:
+            require_positive_int("overlap_sms", overlap_sms, allow_zero=True)
+        self.overlap_sms = overlap_sms
         self._tokens: int | None = None             # the tokens the transport was sized for
         self.transport: Transport | None = None
         self._live: LiveRows | None = None
@@ -234,7 +250,7 @@ class GroupExchange:
                 self._chunks = NcclChunks(self.group)
             return self._chunks
         if self._live is None or self._live.transport is not transport:
-            self._live = LiveRows(transport, resend=self.resend)
+            self._live = LiveRows(transport, resend=self.resend, overlap_sms=self.overlap_sms)
         return self._live
 
     def close(self) -> None:

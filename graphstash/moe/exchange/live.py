@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from ..._checks import describe
-from .autograd import exchange_combine, exchange_dispatch, exchange_resend
+from ..._checks import describe, require_positive_int
+from .autograd import exchange_combine, exchange_dispatch, exchange_resend, exchange_send_home
+from .overlap import DEFAULT_OVERLAP_SMS, Beside, side_stream
 from .plan import plan_exchange
 from .transport import Transport
 
@@ -39,7 +40,11 @@ class LiveRows:
     """Expert parallel through ``transport``: only the live rows move. Its ranks are the
     exchange's ranks (``world_size``, ``rank``), rows must fit its region (refused naming the
     argument otherwise). ``resend=True``: the experts' backward pushes the rows again instead
-    of keeping them (NOTE [resent rows]). Example::
+    of keeping them (NOTE [resent rows]). ``overlap_sms``: the multiprocessors the experts'
+    backward gives a push it runs beside their weight gradients (NOTE [exchange beside the
+    experts] in ``overlap.py``); 0 runs every push after the GEMMs, on the whole device;
+    None: :data:`~graphstash.moe.exchange.overlap.DEFAULT_OVERLAP_SMS` for a transport on a
+    GPU, 0 on the CPU (there the same pushes run in the same order, on one stream). Example::
 
         exchange = LiveRows(build_transport(group, capacity_rows=rows, row_bytes=2 * H,
                                             max_experts=E))
@@ -48,7 +53,8 @@ class LiveRows:
 
     keeps_rows = True           # its plans can leave rows of the budget out (ExchangePlan.keep_rows)
 
-    def __init__(self, transport: Transport, *, resend: bool = False):
+    def __init__(self, transport: Transport, *, resend: bool = False,
+                 overlap_sms: int | None = None):
         if not isinstance(transport, Transport):
             raise TypeError(f"transport: expected a graphstash.moe.exchange.Transport, got "
                             f"{type(transport).__name__}")
@@ -56,9 +62,13 @@ class LiveRows:
             raise TypeError(f"resend: expected a bool, got {type(resend).__name__}")
         self.transport = transport
         self.resend = resend
+        self.overlap_sms = resolve_overlap_sms(overlap_sms, transport.device)
+        if self.overlap_sms and transport.device.type == "cuda":
+            side_stream(transport.device)           # here, not first inside a capture
 
     def __repr__(self) -> str:
-        return f"LiveRows({self.transport!r}{', resend=True' if self.resend else ''})"
+        return (f"LiveRows({self.transport!r}{', resend=True' if self.resend else ''}, "
+                f"overlap_sms={self.overlap_sms})")
 
     @property
     def kind(self) -> str:
@@ -104,7 +114,33 @@ class LiveRows:
         """``[T, hidden]`` per token: :func:`~graphstash.moe.exchange.exchange_combine`."""
         return exchange_combine(y, topk_weight, plan, kernels)
 
-    def resend_rows(self, x, plan, kernels):
+    def resend_rows(self, x, plan, kernels, out=None):
         """``[R, hidden]``: :func:`~graphstash.moe.exchange.exchange_resend` (NOTE [resent
-        rows])."""
-        return exchange_resend(x, plan, kernels)
+        rows]), into ``out`` when given."""
+        return exchange_resend(x, plan, kernels, out)
+
+    def beside(self) -> Beside | None:
+        """What runs this exchange's backward pushes beside the experts' GEMMs (NOTE
+        [exchange beside the experts]), or None with ``overlap_sms=0``."""
+        if not self.overlap_sms:
+            return None
+        return Beside(self.transport.device, self.overlap_sms, self.transport)
+
+    def send_home(self, grad_rows, plan) -> None:
+        """Push the permuted rows' input gradients (``[R, hidden]``) home ahead of the
+        dispatch's backward: :func:`~graphstash.moe.exchange.autograd.exchange_send_home`."""
+        exchange_send_home(grad_rows, plan)
+
+
+def resolve_overlap_sms(overlap_sms, device: torch.device) -> int:
+    """``overlap_sms`` checked (TypeError/ValueError naming it): an int of 0 or more, or None
+    for the default on ``device`` (NOTE [exchange beside the experts] in ``overlap.py``)."""
+    if overlap_sms is None:
+        return DEFAULT_OVERLAP_SMS if device.type == "cuda" else 0
+    require_positive_int("overlap_sms", overlap_sms, allow_zero=True)
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if overlap_sms >= sms:
+            raise ValueError(f"overlap_sms: expected fewer than the {sms} multiprocessors of "
+                             f"{device} (the GEMMs keep the rest), got {overlap_sms}")
+    return overlap_sms

@@ -57,6 +57,9 @@ class ExchangePlan:
     row_slot: torch.Tensor            # [R] its send slot there
     status: torch.Tensor | None = None  # int32 [8] that every later barrier raises a failure in
     status_updated: bool = True       # gs_xchg_counts raised the status flags
+    # [(rows [R, H], their version)]: input gradients the experts' backward already pushed
+    # home (NOTE [exchange beside the experts] in overlap.py); one list shared by keep_rows
+    sent_home: list = dataclasses.field(default_factory=list)
 
     @property
     def group(self) -> Transport:
