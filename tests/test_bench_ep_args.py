@@ -68,6 +68,8 @@ BAD = [
      "--experts: expected a multiple of the 4 ranks, got 6"),
     (("--ep", "2", "--layers", "0"), None, "--layers: expected a positive int, got 0"),
     (("--ep", "2", "--capacity-factor", "inf"), None, "--capacity-factor: expected a finite"),
+    (("--ep", "2", "--overlap-sms", "-1"), None,
+     "--overlap-sms: expected 0 (no overlap) or more multiprocessors, got -1"),
 ]
 
 
@@ -121,6 +123,9 @@ def test_configurations_take_the_expert_parallel_defaults(monkeypatch):
     custom = moe_ep.configs_from_args(_args("--ep", "4", "--hidden", "64", "--ffn", "32",
                                             "--experts", "8", "--topk", "2"), quick=False)
     assert list(custom) == ["custom"] and custom["custom"].num_experts == 8
+    assert all(c.overlap_sms is None for c in got.values())       # the exchange's default
+    overlap = moe_ep.configs_from_args(_args("--ep", "2", "--overlap-sms", "0"), quick=False)
+    assert all(c.overlap_sms == 0 for c in overlap.values())
 
 
 def test_the_moe_suite_hands_over_to_the_expert_parallel_bench(monkeypatch):

@@ -134,6 +134,10 @@ def add_arguments(group) -> None:
     group.add_argument("--stash-prefetch", choices=PREFETCH_POINTS, default=DEFAULT_PREFETCH,
                        help="with --ep: when the live rows + stash row issues a group's reload "
                        f"(StashConfig.prefetch; default {DEFAULT_PREFETCH})")
+    group.add_argument("--overlap-sms", type=int, default=None, metavar="N",
+                       help="with --ep: multiprocessors the live rows' backward pushes take "
+                       "beside the expert GEMMs (MoEConfig.overlap_sms; 0: none; default: the "
+                       "exchange's)")
     group.add_argument("--transport", choices=TRANSPORTS, default=None,
                        help="the live rows' transport with --ep: auto (torchrun: symmetric "
                        "memory; one GPU: ipc; the CPU: gloo), ipc (ranks as processes sharing a "
@@ -234,6 +238,12 @@ def configs_from_args(args, quick: bool, *, notes: bool = True) -> dict:
     factor = getattr(args, "capacity_factor", None) or DEFAULT_CAPACITY_FACTOR
     over = {"capacity_factor": factor, "chunk_factor": factor,
             "routing": moe_setup.routing_from_args(args)}
+    overlap = getattr(args, "overlap_sms", None)
+    if overlap is not None:
+        if overlap < 0:
+            raise options.FlagError(f"--overlap-sms: expected 0 (no overlap) or more "
+                                    f"multiprocessors, got {overlap}")
+        over["overlap_sms"] = overlap
     if quick and preset is None and not custom:
         for name in ("layers", "tokens"):
             value = getattr(args, name, None)
@@ -495,7 +505,11 @@ def title(name: str, entry: dict) -> str:
             f"{c['ffn']}{' (gated)' if c['gated'] else ''}, {c['num_experts']} experts top-"
             f"{c['topk']}, {c['num_tokens']} tokens/rank, capacity factor "
             f"{c['capacity_factor']}, routing {c.get('routing', 'balanced')}, "
-            f"EP={ep['world_size']} as {ep['launch']}, bf16, {ep['gpu']}")
+            f"overlap SMs {_overlap(c.get('overlap_sms'))}, EP={ep['world_size']} as {ep['launch']}, bf16, {ep['gpu']}")
+
+
+def _overlap(sms) -> str:
+    return "default" if sms is None else str(sms)
 
 
 def table_row(row: str, r: dict) -> list:
