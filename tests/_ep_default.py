@@ -88,7 +88,7 @@ def default_path_case(rank: int, world: int, device: torch.device, dtypes) -> di
     built and then rebuilt): outputs and every gradient of ``MoEModel(config, group=g)``, and
     of the same with ``resend_rows=True`` (NOTE [resent rows]), equal NCCL's chunks and the
     one-device reference; so do both with the backward pushes in the order the default does
-    not take here (NOTE [exchange beside the experts]: on a GPU the default runs them beside
+    not take here (NOTE [exchange beside the experts]; on a GPU the default runs them beside
     the expert GEMMs, so the other order is ``overlap_sms=0``; on the CPU the default runs
     them in line, so the other order is ``overlap_sms=1``, the early push home in line), with
     the rows each moved equal to the default's: the early push replaced the dispatch's, it was

@@ -104,8 +104,9 @@ def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int,
     graph_step, its experts trained on this rank's tokens, against the dropless model trained
     on every rank's; ``route(i, model, ref)`` sets both routings before step ``i``; ``probe()``,
     if given, runs inside the step function, after the backward; ``resend_rows`` and
-    ``overlap_sms``: the config's (NOTE [resent rows], NOTE [exchange beside the experts]: on
-    the CPU 1 pushes the input gradients home from the experts' backward, in line). Checks the experts end equal and returns the decorated step
+    ``overlap_sms``: the config's (NOTE [resent rows], NOTE [exchange beside the experts]; on
+    the CPU 1 pushes the input gradients home from the experts' backward, in line). Checks the
+    experts end equal and returns the decorated step
     (``.stats``, ``.stash_manager``)."""
     import torch.distributed as dist
 

@@ -401,7 +401,7 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     bad = TRUSTED
     if handle is None or not handle.trusts_counts(tokens_per_expert):
         bad = check_counts(tokens_per_expert, x.shape[0], impl1)
-    # NOTE [exchange beside the experts]: only where x's gradient goes home
+    # only where x's gradient goes home (NOTE [exchange beside the experts])
     ahead = None
     if overlap and x.requires_grad and torch.is_grad_enabled():
         ahead = _Overlap(dataclasses.replace(handle, source=None, permuted_ref=None), w1,
