@@ -76,10 +76,13 @@ def _combine_direction(plan: ExchangePlan, rows=None, weights=None) -> None:
 
 
 def _sent_home(plan: ExchangePlan, rows: torch.Tensor | None) -> bool:
-    """Whether ``rows`` (``[R, H]``, or None) are the input gradients the experts' backward pushed home
-    already, unchanged since (:func:`exchange_send_home`); forgets them either way."""
+    """Whether ``rows`` (``[R, H]``, or None) are the input gradients the experts' backward
+    pushed home already, unchanged since (:func:`exchange_send_home`); forgets them either
+    way."""
     sent, plan.sent_home[:] = list(plan.sent_home), []
-    return rows is not None and any(s.data_ptr() == rows.data_ptr() and s.shape == rows.shape
+    if rows is None:
+        return False
+    return any(s.data_ptr() == rows.data_ptr() and s.shape == rows.shape
                and s.stride() == rows.stride() and s.dtype == rows.dtype
                and rows._version == version for s, version in sent)
 
