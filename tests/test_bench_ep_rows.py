@@ -503,7 +503,8 @@ def test_bench_moe_ep_four_gloo_ranks_reports_every_row(tmp_path, routing):
     assert results["worst-case buffers"]["over_budget"] == 0
     # the table: its title, then one line per row with its step time and flags
     out = done.stdout
-    assert f"routing {routing}, EP=4 as 4 processes on the CPU over gloo" in out, out
+    assert (f"routing {routing}, overlap SMs default, EP=4 as 4 processes on the CPU over "
+            "gloo") in out, out
     line = [x for x in out.splitlines() if x.startswith("no exchange  ")]
     assert len(line) == 1 and ("not available" in line[0]) == (routing != "balanced"), out
     for row, r in results.items():
