@@ -144,6 +144,32 @@ def test_resend_rows_is_refused_where_nothing_resends():
     assert model.exchange_kind == "one device"
 
 
+def _weights_changed_before_backward(rank: int, world: int) -> str:
+    """The experts' weights changed in place between the forward and the backward: the
+    overlapped backward (NOTE [exchange beside the experts]) refuses, on every rank at the
+    same point, instead of computing an input gradient from other weights."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from _ep_default import config_for, rank_inputs
+
+    model = MoEModel(dataclasses.replace(config_for(world), overlap_sms=1),
+                     group=dist.group.WORLD, seed=3)
+    xs, projs = rank_inputs(rank, world, torch.device("cpu"), torch.float32)
+    loss = (model(xs[rank]) * projs[rank]).sum()
+    with torch.no_grad():
+        model.blocks[1].w1.mul_(2.0)
+    with pytest.raises(RuntimeError, match="w1 or tokens_per_expert was modified in place"):
+        loss.backward()
+    dist.barrier()
+    return "refused"
+
+
+def test_overlapped_backward_refuses_weights_changed_since_the_forward():
+    assert run_ranks(_weights_changed_before_backward, 2) == ["'refused'"] * 2
+
+
 def test_overlap_sms_is_checked_by_name():
     with pytest.raises(ValueError, match="overlap_sms: expected an int >= 0, got -1"):
         MoEConfig(overlap_sms=-1)

@@ -114,6 +114,8 @@ class _Overlap:
 
     def __init__(self, handle, w1, counts, impl, bad, regathers: bool):
         self.handle, self.w1, self.counts, self.impl, self.bad = handle, w1, counts, impl, bad
+        # kept outside save_for_backward, so autograd does not check them: checked here
+        self.versions = (w1._version, counts._version)
         self.regathers = regathers
         self.beside = self.x = self.resent = self.grad_x = None
         self.grad_pre = None            # (the pre-activation's gradient, its version)
@@ -124,6 +126,11 @@ class _Overlap:
         activation's backward, GEMMs under ``carve``), the first GEMM's input gradient, and
         push it home. Returns the pre-activation's gradient."""
         handle = self.handle
+        if not torch.compiler.is_compiling() and \
+                (self.w1._version, self.counts._version) != self.versions:
+            raise RuntimeError("expert_mlp: w1 or tokens_per_expert was modified in place "
+                               "between the forward and the backward; the input gradient "
+                               "would not be the forward's")
         beside = self.beside = handle.beside()
         carve = beside.carved if self.regathers else contextlib.nullcontext
         if self.regathers:

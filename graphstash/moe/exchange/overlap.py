@@ -29,7 +29,8 @@ GEMMs on the main stream are launched under ``torch._C._set_sm_carveout_experime
 ``sms``), and the push runs on at most ``sms`` blocks (``Transport.push_blocks``). On four
 H100s a 192 MiB push on 24 blocks beside a grouped GEMM with 24 SMs carved out lost 85 % of
 its time (``benchmarks/probes/exchange_bandwidth.py --beside-gemm``); in the whole step 16 SMs
-did best of 16, 24 and 32 (docs/exchange.md, "The exchange beside the expert GEMMs").
+did better than 32 on one machine, and than 24 on another with an earlier cut of this
+design (docs/exchange.md, "The exchange beside the expert GEMMs").
 
 Every transport call between the fork and the join runs on the side stream, in the order
 every rank issues it; the main stream issues none until it has waited for the side stream,
