@@ -211,3 +211,9 @@ def test_the_loader_compiles_every_registered_kernel_with_nvrtc():
         assert _kernels.is_compiled(index, module_name), source
         for kernel in kernels:
             assert _kernels.resident_blocks(index, module_name, kernel) > 0, kernel
+
+
+def test_warmup_of_modules_refuses_an_unknown_module_naming_it():
+    """``warmup(modules=)`` checks the names before it touches CuPy or a GPU."""
+    with pytest.raises(ValueError, match=r"warmup\(modules=\): no kernel module \['moe'\]"):
+        _kernels.warmup(torch.device("cuda", 0), modules=("moe_exchange", "moe"))

@@ -8,7 +8,8 @@ skewed counts) every method moves the same rows:
   the next rank's torch symmetric-memory buffer (``Tensor.copy_`` into the peer's mapped
   memory): the most a plain copy gets over the links here;
 - ``push``: graphstash's transport push (``gs_xchg_push_v*``: rows gathered by token index and
-  written straight into the receivers' regions), then its barrier, as a dispatch runs it;
+  written straight into the receivers' regions), then its barrier, as a dispatch runs it: the
+  rows a rank keeps are not pushed (NOTE [own rows stay home]);
   ``push@N`` the same with at most ``N`` thread blocks (``Transport.push_blocks``; one block
   per multiprocessor), for each ``N`` of ``--push-blocks``; every push's received rows are
   compared with the first push's (``<method>_matches``);
@@ -60,18 +61,32 @@ from graphstash.moe.exchange import layout as X  # noqa: E402
 
 ROW_BYTES = (4096, 8192, 16384, 28672)
 ROWS = (1024, 8192, 65536)
-COUNTS = ("balanced", "skewed")
+COUNTS = ("balanced", "skewed", "remote")
 METHODS = ("ceiling", "push", "copy_out", "nccl")
 RAW = ("vpush", "vpull", "bpush", "bpull")
 SKEW = 3.0              # skewed: rank 0 receives SKEW times the rows of any other rank
 
 
-def dest_counts(rows: int, world: int, counts: str) -> list[int]:
-    """Rows this rank sends to each rank (itself included): even, or rank 0 favoured."""
-    weights = [SKEW if counts == "skewed" and r == 0 else 1.0 for r in range(world)]
+def dest_counts(rows: int, world: int, counts: str, rank: int = 0) -> list[int]:
+    """Rows ``rank`` sends to each rank (itself included): even (``balanced``), rank 0
+    favoured (``skewed``), or even over the other ranks and none to itself (``remote``: the
+    push without the rows a rank keeps)."""
+    if counts == "remote":
+        weights = [0.0 if r == rank else 1.0 for r in range(world)]
+    else:
+        weights = [SKEW if counts == "skewed" and r == 0 else 1.0 for r in range(world)]
     out = [int(rows * w / sum(weights)) for w in weights]
-    out[-1] += rows - sum(out)
+    last = max(r for r in range(world) if weights[r] > 0)     # the remainder goes to it
+    out[last] += rows - sum(out)
     return out
+
+
+def _remote(peer: torch.Tensor, rank: int, own_rows: bool) -> torch.Tensor:
+    """The push's receivers as a dispatch gives them: -1 (no push) for the rows a rank keeps,
+    which the exchange copies straight from its tokens (NOTE [own rows stay home] in
+    ``graphstash/moe/exchange/plan.py``); with ``own_rows`` (``--own-rows``), those too, as
+    the exchange pushed them before."""
+    return peer if own_rows else torch.where(peer == rank, -1, peer)
 
 
 def _graph_ms(fn, reps: int, inner: int, group, graphed: bool = True) -> float:
@@ -129,7 +144,7 @@ def _sms(fn) -> int:
 
 
 def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, reps: int,
-             inner: int) -> dict:
+             inner: int, own_rows: bool = False) -> dict:
     import torch.distributed as dist
 
     from graphstash._kernels import moe as moe_ops
@@ -137,14 +152,14 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device())
     width = row_bytes // 2
-    per_dest = dest_counts(rows, world, counts)
+    per_dest = dest_counts(rows, world, counts, rank)
     gen = torch.Generator(device=device).manual_seed(rank * 7919 + rows + row_bytes)
     src = torch.randn(rows, width, device=device, generator=gen).to(torch.bfloat16)
     token = torch.randperm(rows, device=device, generator=gen).to(torch.int32)
-    peer = torch.repeat_interleave(torch.arange(world, device=device, dtype=torch.int32),
-                                   torch.tensor(per_dest, device=device))
+    peer = _remote(torch.repeat_interleave(torch.arange(world, device=device, dtype=torch.int32),
+                                           torch.tensor(per_dest, device=device)), rank, own_rows)
     # every sender's rows for a receiver go to rows after those of the ranks before it
-    table = torch.tensor([dest_counts(rows, world, counts) for _ in range(world)])
+    table = torch.tensor([dest_counts(rows, world, counts, r) for r in range(world)])
     offset = table[:rank].sum(0)                  # rows that lower ranks put in each receiver
     start = torch.cumsum(torch.tensor([0] + per_dest[:-1]), 0)
     dest = (torch.arange(rows) - start.repeat_interleave(torch.tensor(per_dest))
@@ -203,7 +218,8 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
 
 
 def beside_gemm(row_bytes: int, rows: int, blocks: list[int], transport, group, reps: int,
-                inner: int, gemms: int, experts: int, ffn: int) -> list[dict]:
+                inner: int, gemms: int, experts: int, ffn: int,
+                own_rows: bool = False) -> list[dict]:
     """The push beside a chain of expert GEMMs with ``N`` SMs carved out, for each ``N`` of
     ``blocks`` (module docstring, ``--beside-gemm``): one dict per ``N``."""
     import torch.distributed as dist
@@ -215,8 +231,8 @@ def beside_gemm(row_bytes: int, rows: int, blocks: list[int], transport, group, 
     gen = torch.Generator(device=device).manual_seed(rank * 7919 + rows)
     src = torch.randn(rows, width, device=device, generator=gen).to(torch.bfloat16)
     token = torch.randperm(rows, device=device, generator=gen).to(torch.int32)
-    peer = torch.repeat_interleave(torch.arange(world, device=device, dtype=torch.int32),
-                                   torch.tensor(per_dest, device=device))
+    peer = _remote(torch.repeat_interleave(torch.arange(world, device=device, dtype=torch.int32),
+                                           torch.tensor(per_dest, device=device)), rank, own_rows)
     start = torch.cumsum(torch.tensor([0] + per_dest[:-1]), 0)
     dest = (torch.arange(rows) - start.repeat_interleave(torch.tensor(per_dest))
             + rank * torch.tensor(per_dest).repeat_interleave(torch.tensor(per_dest))
@@ -382,6 +398,11 @@ def main() -> None:
                         help="comma-separated block caps: a push@N method for each")
     parser.add_argument("--raw", action="store_true",
                         help="also vpush@N, vpull@N, bpush@N, bpull@N for every N")
+    parser.add_argument("--counts", default="balanced,skewed",
+                        help=f"comma-separated: {', '.join(COUNTS)}")
+    parser.add_argument("--own-rows", action="store_true",
+                        help="push the rows a rank keeps too, as the exchange did before "
+                        "NOTE [own rows stay home]")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--inner", type=int, default=10)
     parser.add_argument("--json", default=None)
@@ -403,6 +424,9 @@ def main() -> None:
                                        for b in args.push_blocks.split(",") if b) + methods[at:]
     if unknown:
         parser.error(f"--methods: unknown {unknown}")
+    counts = tuple(c for c in args.counts.split(",") if c)
+    if not counts or set(counts) - set(COUNTS):
+        parser.error(f"--counts: one or more of {', '.join(COUNTS)}, not {args.counts!r}")
     if "vdev" in methods and len(methods) > 1:
         parser.error("--methods: vdev runs alone (it needs the NVSHMEM backend)")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -422,10 +446,10 @@ def main() -> None:
     rows = [int(v) for v in args.rows.split(",")]
     transport = None
     if any(m.startswith("push") for m in methods) or "copy_out" in methods:
-        import graphstash
+        from graphstash import _kernels
         from graphstash.moe.exchange import build_transport
 
-        graphstash.warmup(device)
+        _kernels.warmup(device, modules=("moe_exchange", "moe_dispatch"))  # what the probe launches
         world = dist.get_world_size(group)       # a skewed receiver gets more than it sends
         transport = build_transport(group, kind="symmetric", device=device,
                                     capacity_rows=world * max(rows), row_bytes=max(row_bytes),
@@ -433,9 +457,9 @@ def main() -> None:
     results = []
     for rb in row_bytes:
         for n in rows:
-            for c in COUNTS:
+            for c in counts:
                 results.append(run_case(rb, n, c, methods, transport, group, args.reps,
-                                        args.inner))
+                                        args.inner, args.own_rows))
                 if dist.get_rank() == 0:
                     print(json.dumps(results[-1]), flush=True)
     beside = []
@@ -446,7 +470,8 @@ def main() -> None:
             parser.error("--beside-gemm: this torch has no torch._C._set_sm_carveout_experimental")
         beside = beside_gemm(row_bytes[0], max(rows),
                              [int(b) for b in args.push_blocks.split(",") if b], transport,
-                             group, args.reps, args.inner, args.gemms, args.experts, args.ffn)
+                             group, args.reps, args.inner, args.gemms, args.experts, args.ffn,
+                             args.own_rows)
     if transport is not None:
         transport.check()
         transport.close()

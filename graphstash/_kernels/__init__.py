@@ -234,9 +234,16 @@ def sources() -> dict[str, tuple[str, tuple[str, ...]]]:
     return dict(_SOURCES)
 
 
-def warmup(device=None) -> None:
-    """Compile every registered kernel for ``device`` (default: current CUDA device)."""
+def warmup(device=None, modules=None) -> None:
+    """Compile every registered kernel for ``device`` (default: current CUDA device), or
+    those of the named modules only (``modules``: names given to :func:`register_source`)."""
     registered = sources()
+    if modules is not None:
+        unknown = sorted(set(modules) - set(registered))
+        if unknown:
+            raise ValueError(f"warmup(modules=): no kernel module {unknown}; "
+                             f"known: {sorted(registered)}")
+        registered = {name: registered[name] for name in modules}
     cupy = _import_cupy()
     index = torch.device(device if device is not None else "cuda").index
     index = torch.cuda.current_device() if index is None else index
