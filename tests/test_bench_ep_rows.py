@@ -228,12 +228,13 @@ def _bench_rows_ranks(rank: int, world: int) -> None:
     meta_flags = 4 * world * (3 + MAX_STEP_PEAKS) + 8 * world
     every_call = [_live_counts(call["routing"], rank, world) for call in worst]
     for i, counts in enumerate(every_call):
+        home = sum(m for m, _, _ in counts)
         away = sum(a for _, a, _ in counts)
         received = sum(r for _, _, r in counts)
-        # the rows a rank keeps are copied, never pushed (NOTE [own rows stay home])
-        want = {"sent": (away + received) * (2 * ROW_BYTES + WEIGHT_BYTES), "local": 0,
+        want = {"sent": (away + received) * (2 * ROW_BYTES + WEIGHT_BYTES),
+                "local": home * (4 * ROW_BYTES + 2 * WEIGHT_BYTES),
                 "meta": LAYERS * meta_per_layer + meta_flags,
-                "rows": 2 * away + 2 * received,
+                "rows": 2 * (home + away) + 2 * (home + received),
                 "barriers": 8 * LAYERS + 1}
         for row in ("worst-case buffers", "live rows", "live rows + stash"):
             moved = got[row][i]["bytes"]
@@ -241,9 +242,9 @@ def _bench_rows_ranks(rank: int, world: int) -> None:
         # the resend pushes each layer's rows again, without their weights, in a round of
         # its own (two barriers) (NOTE [resent rows])
         again = {"sent": want["sent"] + away * ROW_BYTES,
-                 "local": 0,
+                 "local": want["local"] + home * ROW_BYTES,
                  "meta": want["meta"] + LAYERS * 8 * (2 * world),
-                 "rows": want["rows"] + away,
+                 "rows": want["rows"] + home + away,
                  "barriers": want["barriers"] + 2 * LAYERS}
         moved = got["live rows + resend"][i]["bytes"]
         assert {k: moved[k] for k in again} == again, (rank, i, moved, again)
@@ -299,10 +300,8 @@ def _bench_loop_ranks(rank: int, world: int):
     assert (local["sent_mib"], local["local_mib"], local["meta_kib"]) == (0, 0, 0), local
     live, worst, stash = (results[r] for r in ("live rows", "worst-case buffers",
                                                "live rows + stash"))
-    for key in ("sent_mib", "meta_kib"):
+    for key in ("sent_mib", "local_mib", "meta_kib"):
         assert live[key] == worst[key] == stash[key] > 0, key
-    # the rows a rank keeps are copied, never pushed (NOTE [own rows stay home])
-    assert live["local_mib"] == worst["local_mib"] == stash["local_mib"] == 0
     assert stash["stashed_groups"] > 0
     assert live["exchange"] == "live rows over gloo"
     assert results["nccl chunks"]["exchange"] == "nccl chunks"

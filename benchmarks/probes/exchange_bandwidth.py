@@ -8,8 +8,7 @@ skewed counts) every method moves the same rows:
   the next rank's torch symmetric-memory buffer (``Tensor.copy_`` into the peer's mapped
   memory): the most a plain copy gets over the links here;
 - ``push``: graphstash's transport push (``gs_xchg_push_v*``: rows gathered by token index and
-  written straight into the receivers' regions), then its barrier, as a dispatch runs it: the
-  rows a rank keeps are not pushed (NOTE [own rows stay home]);
+  written straight into the receivers' regions), then its barrier, as a dispatch runs it;
   ``push@N`` the same with at most ``N`` thread blocks (``Transport.push_blocks``; one block
   per multiprocessor), for each ``N`` of ``--push-blocks``; every push's received rows are
   compared with the first push's (``<method>_matches``);
@@ -69,8 +68,8 @@ SKEW = 3.0              # skewed: rank 0 receives SKEW times the rows of any oth
 
 def dest_counts(rows: int, world: int, counts: str, rank: int = 0) -> list[int]:
     """Rows ``rank`` sends to each rank (itself included): even (``balanced``), rank 0
-    favoured (``skewed``), or even over the other ranks and none to itself (``remote``: the
-    push without the rows a rank keeps)."""
+    favoured (``skewed``), or even over the other ranks and none to itself (``remote``: every
+    row crosses a link)."""
     if counts == "remote":
         weights = [0.0 if r == rank else 1.0 for r in range(world)]
     else:
@@ -79,14 +78,6 @@ def dest_counts(rows: int, world: int, counts: str, rank: int = 0) -> list[int]:
     last = max(r for r in range(world) if weights[r] > 0)     # the remainder goes to it
     out[last] += rows - sum(out)
     return out
-
-
-def _remote(peer: torch.Tensor, rank: int, own_rows: bool) -> torch.Tensor:
-    """The push's receivers as a dispatch gives them: -1 (no push) for the rows a rank keeps,
-    which the exchange copies straight from its tokens (NOTE [own rows stay home] in
-    ``graphstash/moe/exchange/plan.py``); with ``own_rows`` (``--own-rows``), those too, as
-    the exchange pushed them before."""
-    return peer if own_rows else torch.where(peer == rank, -1, peer)
 
 
 def _graph_ms(fn, reps: int, inner: int, group, graphed: bool = True) -> float:
@@ -144,7 +135,7 @@ def _sms(fn) -> int:
 
 
 def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, reps: int,
-             inner: int, own_rows: bool = False) -> dict:
+             inner: int) -> dict:
     import torch.distributed as dist
 
     from graphstash._kernels import moe as moe_ops
@@ -156,8 +147,8 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
     gen = torch.Generator(device=device).manual_seed(rank * 7919 + rows + row_bytes)
     src = torch.randn(rows, width, device=device, generator=gen).to(torch.bfloat16)
     token = torch.randperm(rows, device=device, generator=gen).to(torch.int32)
-    peer = _remote(torch.repeat_interleave(torch.arange(world, device=device, dtype=torch.int32),
-                                           torch.tensor(per_dest, device=device)), rank, own_rows)
+    peer = torch.repeat_interleave(torch.arange(world, device=device, dtype=torch.int32),
+                                   torch.tensor(per_dest, device=device))
     # every sender's rows for a receiver go to rows after those of the ranks before it
     table = torch.tensor([dest_counts(rows, world, counts, r) for r in range(world)])
     offset = table[:rank].sum(0)                  # rows that lower ranks put in each receiver
@@ -218,8 +209,7 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
 
 
 def beside_gemm(row_bytes: int, rows: int, blocks: list[int], transport, group, reps: int,
-                inner: int, gemms: int, experts: int, ffn: int,
-                own_rows: bool = False) -> list[dict]:
+                inner: int, gemms: int, experts: int, ffn: int) -> list[dict]:
     """The push beside a chain of expert GEMMs with ``N`` SMs carved out, for each ``N`` of
     ``blocks`` (module docstring, ``--beside-gemm``): one dict per ``N``."""
     import torch.distributed as dist
@@ -231,8 +221,8 @@ def beside_gemm(row_bytes: int, rows: int, blocks: list[int], transport, group, 
     gen = torch.Generator(device=device).manual_seed(rank * 7919 + rows)
     src = torch.randn(rows, width, device=device, generator=gen).to(torch.bfloat16)
     token = torch.randperm(rows, device=device, generator=gen).to(torch.int32)
-    peer = _remote(torch.repeat_interleave(torch.arange(world, device=device, dtype=torch.int32),
-                                           torch.tensor(per_dest, device=device)), rank, own_rows)
+    peer = torch.repeat_interleave(torch.arange(world, device=device, dtype=torch.int32),
+                                   torch.tensor(per_dest, device=device))
     start = torch.cumsum(torch.tensor([0] + per_dest[:-1]), 0)
     dest = (torch.arange(rows) - start.repeat_interleave(torch.tensor(per_dest))
             + rank * torch.tensor(per_dest).repeat_interleave(torch.tensor(per_dest))
@@ -400,9 +390,6 @@ def main() -> None:
                         help="also vpush@N, vpull@N, bpush@N, bpull@N for every N")
     parser.add_argument("--counts", default="balanced,skewed",
                         help=f"comma-separated: {', '.join(COUNTS)}")
-    parser.add_argument("--own-rows", action="store_true",
-                        help="push the rows a rank keeps too, as the exchange did before "
-                        "NOTE [own rows stay home]")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--inner", type=int, default=10)
     parser.add_argument("--json", default=None)
@@ -459,7 +446,7 @@ def main() -> None:
         for n in rows:
             for c in counts:
                 results.append(run_case(rb, n, c, methods, transport, group, args.reps,
-                                        args.inner, args.own_rows))
+                                        args.inner))
                 if dist.get_rank() == 0:
                     print(json.dumps(results[-1]), flush=True)
     beside = []
@@ -470,8 +457,7 @@ def main() -> None:
             parser.error("--beside-gemm: this torch has no torch._C._set_sm_carveout_experimental")
         beside = beside_gemm(row_bytes[0], max(rows),
                              [int(b) for b in args.push_blocks.split(",") if b], transport,
-                             group, args.reps, args.inner, args.gemms, args.experts, args.ffn,
-                             args.own_rows)
+                             group, args.reps, args.inner, args.gemms, args.experts, args.ffn)
     if transport is not None:
         transport.check()
         transport.close()

@@ -165,7 +165,7 @@ class DispatchHandle:
             raise ValueError(f"handle: send_home() needs an expert-parallel exchange that "
                              f"overlaps its pushes; this dispatch went through "
                              f"{self.exchange!r}")
-        self.exchange.send_home(grad_rows, self.plan, self.kernels)
+        self.exchange.send_home(grad_rows, self.plan)
 
     def check_expert_input(self, x: torch.Tensor) -> None:
         """Refuse (ValueError naming ``handle`` or ``x``) unless ``x`` is the very permuted
@@ -356,7 +356,7 @@ class RowExchange(Protocol):
     that can run its backward pushes beside the experts' GEMMs (NOTE [exchange beside the
     experts] in ``graphstash/moe/exchange/overlap.py``) gives what runs them from
     ``beside()`` (None when it does not) and pushes the input gradients home early in
-    ``send_home(grad_rows, plan, kernels)``. The live-row exchange lives above this
+    ``send_home(grad_rows, plan)``. The live-row exchange lives above this
     module, so dispatch knows it only through this protocol and never imports it; a
     :class:`~graphstash.moe.exchange.Transport` given as ``exchange=`` is turned into one by
     the adapter its package registers (:func:`register_transport_adapter`).

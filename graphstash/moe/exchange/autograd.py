@@ -30,22 +30,12 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _home_source(home: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    """int32 ``[R]``: the source row of each of this rank's own rows (``index[home[r]]``, or
-    ``home[r]`` itself without ``index``), -1 for the others (``home[r] < 0``)."""
-    if index is None:
-        return home
-    return torch.where(home >= 0, index[home.clamp(min=0).long()], home)
-
-
 def _dispatch_direction(plan: ExchangePlan, moe_ops, rows, weights=None, *,
                         fresh: bool) -> None:
     """Push rows from senders to their receivers and copy them out (NOTE [receive buffer
-    lifetime]); this rank's own rows go straight from ``src`` into ``out`` (NOTE [own rows
-    stay home] in ``plan.py``). ``rows``: ``(src [N, H], src_index [P] or None, out [R, H])``;
-    ``weights`` (optional): ``(src [N2], src_index [P] or None, out [R])``, moved in the same
-    launch; ``fresh``: the count barrier just passed, so the first round needs no barrier of
-    its own."""
+    lifetime]). ``rows``: ``(src [N, H], src_index [P] or None, out [R, H])``; ``weights``
+    (optional): ``(src [N2], src_index [P] or None, out [R])``, moved in the same launch;
+    ``fresh``: the count barrier just passed, so the first round needs no barrier of its own."""
     t = plan.transport
     R = plan.budget_rows
     src, index, out = rows
@@ -53,46 +43,34 @@ def _dispatch_direction(plan: ExchangePlan, moe_ops, rows, weights=None, *,
     for i, (lo, hi) in enumerate(plan.windows):
         if i or not fresh:
             t.barrier(plan.status)
-        t.push(X.XF_ROWS, src, index, plan.slot_remote_peer, plan.slot_row, plan.live_slots,
-               lo, hi, weights=w_src, weights_index=w_index)
+        t.push(X.XF_ROWS, src, index, plan.slot_peer, plan.slot_row, plan.live_slots, lo, hi,
+               weights=w_src, weights_index=w_index)
         t.barrier(plan.status)
         top = min(hi, R)
         if top <= lo:
             continue
-        where = plan.row_remote_src
+        where = plan.row_src
         if (lo, top) != (0, R):
-            window = plan.row_remote_src[lo:top]
+            window = plan.row_src[lo:top]
             where = torch.where(window >= 0, window - lo, window)
         moe_ops.gather_rows(out[lo:top], t.field_view(X.XF_ROWS, out.dtype, out.shape[1],
                                                       top - lo), where)
         if w_out is not None:
             moe_ops.gather_rows(w_out.view(-1, 1)[lo:top],
                                 t.field_view(X.XF_WEIGHTS, w_out.dtype, 1, top - lo), where)
-    moe_ops.place_rows(out, src, _home_source(plan.row_home_slot, index))
-    if w_out is not None:
-        moe_ops.place_rows(w_out.view(-1, 1), w_src.view(-1, 1),
-                           _home_source(plan.row_home_slot, w_index))
 
 
-def _combine_direction(plan: ExchangePlan, moe_ops, rows=None, weights=None) -> None:
+def _combine_direction(plan: ExchangePlan, rows=None, weights=None) -> None:
     """Push each live received row (``rows``, ``[R, H]``) and/or its weight (``weights``,
-    ``[R]``) back to its sender's slot, in one launch, this rank's own placed into its region
-    (NOTE [own rows stay home] in ``plan.py``); afterwards this rank's region holds its own
-    slots (``[T * K, H]`` rows, ``[T * K]`` weights)."""
+    ``[R]``) back to its sender's slot, in one launch; afterwards this rank's region holds its
+    own slots (``[T * K, H]`` rows, ``[T * K]`` weights)."""
     t = plan.transport
-    P = plan.pairs
     t.barrier(plan.status)
     if rows is not None:
-        moe_ops.place_rows(t.field_view(X.XF_ROWS, rows.dtype, rows.shape[1], P), rows,
-                           plan.slot_home_row)
-    if weights is not None:
-        moe_ops.place_rows(t.field_view(X.XF_WEIGHTS, weights.dtype, 1, P), weights.view(-1, 1),
-                           plan.slot_home_row)
-    if rows is not None:
-        t.push(X.XF_ROWS, rows, None, plan.row_remote_peer, plan.row_slot, plan.live_rows, 0,
+        t.push(X.XF_ROWS, rows, None, plan.row_peer, plan.row_slot, plan.live_rows, 0,
                t.capacity_rows, weights=weights)
     elif weights is not None:
-        t.push(X.XF_WEIGHTS, weights.view(-1, 1), None, plan.row_remote_peer, plan.row_slot,
+        t.push(X.XF_WEIGHTS, weights.view(-1, 1), None, plan.row_peer, plan.row_slot,
                plan.live_rows, 0, t.capacity_rows)
     t.barrier(plan.status)
 
@@ -146,9 +124,9 @@ class _DispatchExchange(torch.autograd.Function):
         if _sent_home(plan, rows):
             rows = None     # already home (NOTE [exchange beside the experts] in overlap.py)
             if weights is not None:
-                _combine_direction(plan, moe_ops, None, weights)
+                _combine_direction(plan, None, weights)
         else:
-            _combine_direction(plan, moe_ops, rows, weights)
+            _combine_direction(plan, rows, weights)
         grad_x = grad_w = None
         if need_x:              # each token: the unweighted sum of its kept pairs' rows
             grad_x = torch.empty(T, H, dtype=ctx.x_dtype, device=device)
@@ -172,7 +150,7 @@ class _CombineExchange(torch.autograd.Function):
         ctx.y_shape, ctx.y_dtype = y.shape, y.dtype
         H = y.shape[1]
         P, t = plan.pairs, plan.transport
-        _combine_direction(plan, moe_ops, y.detach().contiguous())
+        _combine_direction(plan, y.detach().contiguous())
         received = t.field_view(X.XF_ROWS, y.dtype, H, P)
         out = y.new_empty(plan.num_tokens, H)
         ctx.weighted = topk_weight is not None
@@ -246,15 +224,14 @@ def exchange_resend(x: torch.Tensor, plan: ExchangePlan, moe_ops,
     return out
 
 
-def exchange_send_home(grad_rows: torch.Tensor, plan: ExchangePlan, moe_ops) -> None:
+def exchange_send_home(grad_rows: torch.Tensor, plan: ExchangePlan) -> None:
     """Push the input gradients of the permuted rows (``[R, H]``, contiguous, the dtype and
     device of the rows the plan's dispatch received) home now, ahead of the dispatch's
     backward, which then finds them there and pushes only the router weights' gradients
     (NOTE [exchange beside the experts] in ``overlap.py``). Only if ``grad_rows`` reaches that
     backward unchanged (the same tensor, the same version); anything else is pushed again
-    there. ``moe_ops``: the kernels the dispatch took. A collective: every rank calls it at
-    the same point of its backward."""
-    _combine_direction(plan, moe_ops, grad_rows)
+    there. A collective: every rank calls it at the same point of its backward."""
+    _combine_direction(plan, grad_rows)
     plan.sent_home[:] = [(grad_rows, grad_rows._version)]
 
 

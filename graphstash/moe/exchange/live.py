@@ -126,10 +126,10 @@ class LiveRows:
             return None
         return Beside(self.transport.device, self.overlap_sms, self.transport)
 
-    def send_home(self, grad_rows, plan, kernels) -> None:
+    def send_home(self, grad_rows, plan) -> None:
         """Push the permuted rows' input gradients (``[R, hidden]``) home ahead of the
         dispatch's backward: :func:`~graphstash.moe.exchange.autograd.exchange_send_home`."""
-        exchange_send_home(grad_rows, plan, kernels)
+        exchange_send_home(grad_rows, plan)
 
 
 def resolve_overlap_sms(overlap_sms, device: torch.device) -> int:

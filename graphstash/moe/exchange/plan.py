@@ -11,18 +11,6 @@ padded per expert, dropped at the budget. A sender therefore knows the row of ea
 pairs in its receiver's buffer and copies it straight there: only live rows move, and the
 received buffer is already the permuted one. Combine sends row ``r`` back to slot
 ``row_slot[r]`` of rank ``row_peer[r]``, where it is summed into its token.
-
-NOTE [own rows stay home]: the pairs a rank routes to its own experts never cross a link, yet
-a push moving them writes each into the rank's own region and the copy-out reads it back: two
-copies of 1 / W of the rows, and on a push held to a few multiprocessors (NOTE [exchange
-beside the experts] in ``overlap.py``) those copies take the push's own SMs from the rows that
-do cross. So the pushes skip them (``slot_remote_peer``, ``row_remote_peer``: the peers with
-this rank's own entries at -1), and each own row is copied once, on the whole grid, where it is
-read: the dispatch's copy-out takes the received rows from the region (``row_remote_src``) and
-places the own rows straight from the sender's source rows (``row_home_slot``: the send slot
-of each own row); the combine places each own slot's row into the region
-(``slot_home_row``: the row of each own slot) beside the rows the peers push there. What
-every row holds is unchanged; only the copies that move it are.
 """
 from __future__ import annotations
 
@@ -67,12 +55,6 @@ class ExchangePlan:
     row_src: torch.Tensor             # [R] region row of each live received row, -1 padding
     row_peer: torch.Tensor            # [R] rank each received row came from, -1 none
     row_slot: torch.Tensor            # [R] its send slot there
-    # NOTE [own rows stay home]: the maps above with this rank's own rows taken out
-    slot_remote_peer: torch.Tensor    # [T * K] slot_peer, -1 where it is this rank
-    slot_home_row: torch.Tensor       # [T * K] slot_row where slot_peer is this rank, else -1
-    row_remote_peer: torch.Tensor     # [R] row_peer, -1 where it is this rank
-    row_remote_src: torch.Tensor      # [R] row_src, -1 where row_peer is this rank
-    row_home_slot: torch.Tensor       # [R] row_slot where row_peer is this rank, else -1
     status: torch.Tensor | None = None  # int32 [8] that every later barrier raises a failure in
     status_updated: bool = True       # gs_xchg_counts raised the status flags
     # [(rows [R, H], their version)]: input gradients the experts' backward already pushed
@@ -116,14 +98,10 @@ class ExchangePlan:
         if self.status is not None:
             raise_flag(self.status, L.SS_OVERFLOW,
                        (self.live_rows > rows).to(torch.int32) * L.OVERFLOW_POOL)
-        home = self.slot_home_row
         return dataclasses.replace(
             self, budget_rows=rows, tokens_per_expert=counts,
             live_rows=self.live_rows.clamp(max=rows), row_src=self.row_src[:rows],
-            row_peer=self.row_peer[:rows], row_slot=self.row_slot[:rows],
-            slot_home_row=torch.where(home < rows, home, -1),
-            row_remote_peer=self.row_remote_peer[:rows], row_remote_src=self.row_remote_src[:rows],
-            row_home_slot=self.row_home_slot[:rows])
+            row_peer=self.row_peer[:rows], row_slot=self.row_slot[:rows])
 
 
 def plan_exchange(topk_idx: torch.Tensor, num_experts: int, budget_rows: int | None,
@@ -178,8 +156,6 @@ def plan_exchange(topk_idx: torch.Tensor, num_experts: int, budget_rows: int | N
     transport.exchange_map(work, cube, W, transport.rank, E, route.slot_of_pair.reshape(-1),
                            clip, live, rows, pair_slot, slot_peer, slot_row, slot_self, row_src,
                            row_peer, row_slot)
-    me = transport.rank
-    slot_own, row_own = slot_peer == me, row_peer == me       # NOTE [own rows stay home]
     return ExchangePlan(
         num_tokens=T, topk=K, budget_rows=rows, num_experts=E, transport=transport,
         windows=windows, slot_of_pair=route.slot_of_pair, pair_of_slot=route.pair_of_slot,
@@ -187,11 +163,7 @@ def plan_exchange(topk_idx: torch.Tensor, num_experts: int, budget_rows: int | N
         bad_index=route.bad_index, cube=cube, work=work, tokens_per_expert=tpe, live_rows=live,
         demand_rows=demand, over_budget=over, pair_slot=pair_slot, slot_peer=slot_peer,
         slot_row=slot_row, slot_self=slot_self, row_src=row_src, row_peer=row_peer,
-        row_slot=row_slot, slot_remote_peer=torch.where(slot_own, -1, slot_peer),
-        slot_home_row=torch.where(slot_own, slot_row, -1),
-        row_remote_peer=torch.where(row_own, -1, row_peer),
-        row_remote_src=torch.where(row_own, -1, row_src),
-        row_home_slot=torch.where(row_own, row_slot, -1), status=status)
+        row_slot=row_slot, status=status)
 
 
 def _dropless_rows(cube: torch.Tensor, transport: Transport, pad: int):
