@@ -19,7 +19,7 @@
 // dst element is written exactly once (zero for rows without a source: padding, budget tail,
 // dropped). No atomics; index is read once per vector (cached).
 // ---------------------------------------------------------------------------------------
-template <typename V>
+template <typename V, bool Keep>
 __device__ void gather_impl(V* __restrict__ dst, const V* __restrict__ src,
                             const int* __restrict__ index, long long rows_out,
                             long long vec_per_row, long long src_rows) {
@@ -28,8 +28,10 @@ __device__ void gather_impl(V* __restrict__ dst, const V* __restrict__ src,
         const long long row = v / vec_per_row;
         const long long col = v - row * vec_per_row;
         const int j = __ldg(index + row);
+        const bool sourced = j >= 0 && j < src_rows;
+        if (Keep && !sourced) continue;
         V value{};
-        if (j >= 0 && j < src_rows) value = src[static_cast<long long>(j) * vec_per_row + col];
+        if (sourced) value = src[static_cast<long long>(j) * vec_per_row + col];
         dst[v] = value;
     }
 }
@@ -38,13 +40,31 @@ __device__ void gather_impl(V* __restrict__ dst, const V* __restrict__ src,
     extern "C" __global__ void __launch_bounds__(GS_THREADS)                                   \
         gs_moe_gather_v##W(V* dst, const V* src, const int* index, long long rows_out,         \
                            long long vec_per_row, long long src_rows) {                        \
-        gather_impl<V>(dst, src, index, rows_out, vec_per_row, src_rows);                      \
+        gather_impl<V, false>(dst, src, index, rows_out, vec_per_row, src_rows);               \
     }
 GS_GATHER(16, uint4)
 GS_GATHER(8, uint2)
 GS_GATHER(4, unsigned int)
 GS_GATHER(2, unsigned short)
 GS_GATHER(1, unsigned char)
+
+// ---------------------------------------------------------------------------------------
+// gs_moe_place_v<W>: dst[i] = src[index[i]] where index[i] is a source row; every other row
+// of dst is left as it is (the gather above zeroes it). Two calls fill one buffer from two
+// sources: the resend's copy-out takes the received rows from the region and a rank's own
+// rows straight from its tokens (NOTE [resent own rows] in graphstash/moe/exchange/autograd.py).
+// ---------------------------------------------------------------------------------------
+#define GS_PLACE(W, V)                                                                         \
+    extern "C" __global__ void __launch_bounds__(GS_THREADS)                                   \
+        gs_moe_place_v##W(V* dst, const V* src, const int* index, long long rows_out,          \
+                          long long vec_per_row, long long src_rows) {                         \
+        gather_impl<V, true>(dst, src, index, rows_out, vec_per_row, src_rows);                \
+    }
+GS_PLACE(16, uint4)
+GS_PLACE(8, uint2)
+GS_PLACE(4, unsigned int)
+GS_PLACE(2, unsigned short)
+GS_PLACE(1, unsigned char)
 
 // ---------------------------------------------------------------------------------------
 // gs_moe_spread_v<W>: the same result as gs_moe_gather_v<W> (dst[i] = src[index[i]], zero

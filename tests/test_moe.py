@@ -324,6 +324,26 @@ def test_gather_rows_refuses_an_inverse_map_of_another_shape():
             gather_rows(out, src, index, inverse=bad)
 
 
+def test_place_rows_writes_the_sourced_rows_and_keeps_the_others():
+    """place_rows (the reference, and the operator whose CPU kernel it is) copies each row
+    with a source bitwise and leaves every other row as it was, where gather_rows zeroes it;
+    an index past the source rows is no source."""
+    from graphstash._kernels import moe as ops
+    from graphstash.reference.moe import gather_rows, place_rows
+
+    src = torch.arange(1.0, 13.0).view(4, 3)
+    index = torch.tensor([2, -1, 0, 4, 3], dtype=torch.int32)
+    held = torch.full((5, 3), -7.0)
+    want = torch.stack([src[2], held[1], src[0], held[3], src[3]])
+    for place in (place_rows, ops.place_rows):
+        out = held.clone()
+        place(out, src, index)
+        assert torch.equal(out, want)
+    zeroed = held.clone()
+    gather_rows(zeroed, src, index)
+    assert torch.equal(zeroed[1], torch.zeros(3)) and torch.equal(zeroed[3], torch.zeros(3))
+
+
 def test_row_dot_follows_the_kernel_order(gen):
     """NOTE [row dot order]: 8-element blocks dealt to 32 lanes, then a halving tree; the
     result is the exact float64 dot within float32 rounding, for widths below, at and past

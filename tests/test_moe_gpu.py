@@ -47,6 +47,15 @@ def test_kernels_match_reference_exactly(gen, dtype, hidden):
     cupy_ops.gather_rows(outs[0], src, index)
     ref_ops.gather_rows(outs[1], src, index)
     torch.testing.assert_close(outs[0], outs[1], **EXACT)
+    # place: the rows without a source keep what they held (here distinct, nonzero values)
+    held = tokens(N, hidden, gen, dtype).cuda()
+    unsourced = torch.arange(N, device="cuda") % 3 == 0
+    index = torch.where(unsourced, -1, index.clamp(min=0))
+    outs = [held.clone() for _ in range(2)]
+    cupy_ops.place_rows(outs[0], src, index)
+    ref_ops.place_rows(outs[1], src, index)
+    torch.testing.assert_close(outs[0], outs[1], **EXACT)
+    torch.testing.assert_close(outs[0][unsourced], held[unsourced], **EXACT)
 
     index2 = torch.randint(-1, M, (N, K), generator=gen, dtype=torch.int32).cuda()
     acc = torch.float64 if dtype == torch.float64 else torch.float32

@@ -26,6 +26,7 @@ _WARPS = THREADS // 32
 register_source(
     "moe_dispatch", "moe_dispatch.cu",
     tuple(f"gs_moe_gather_v{w}" for w in VECTOR_WIDTHS)
+    + tuple(f"gs_moe_place_v{w}" for w in VECTOR_WIDTHS)
     + tuple(f"gs_moe_spread_v{w}" for w in VECTOR_WIDTHS)
     + tuple(f"gs_moe_combine_{n}_v{w}" for n, size in _DTYPES.values() for w in (16, size))
     + tuple(f"gs_moe_weight_grad_{n}" for n, _ in _DTYPES.values()))
@@ -60,6 +61,19 @@ def _gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor, *,
             np.int64(src.shape[0]))
     launch("moe_dispatch", f"gs_moe_gather_v{width}", _blocks(rows_out * vec_per_row),
            out.device.index, args)
+
+
+def _place_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+    """Launch ``gs_moe_place_v*``: ``out[i] = src[index[i]]`` where ``index[i]`` is a row of
+    ``src``; the other rows of ``out`` keep what they hold."""
+    rows_out = out.shape[0]
+    row_bytes = out[0].numel() * out.element_size() if rows_out else 0
+    if rows_out == 0 or row_bytes == 0:
+        return
+    width = vector_width(row_bytes, out.data_ptr(), src.data_ptr())
+    launch("moe_dispatch", f"gs_moe_place_v{width}", _blocks(rows_out * (row_bytes // width)),
+           out.device.index, (ptr(out), ptr(src), ptr(index), np.int64(rows_out),
+                              np.int64(row_bytes // width), np.int64(src.shape[0])))
 
 
 def _combine_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
@@ -154,6 +168,8 @@ def _route_local(topk_idx: torch.Tensor, num_experts: int, budget_rows: int,
 
 gather_rows = kernel_op("gather_rows", _gather_rows, mutates_args=("out",),
                         cpu=_reference.gather_rows)
+place_rows = kernel_op("place_rows", _place_rows, mutates_args=("out",),
+                       cpu=_reference.place_rows)
 combine_rows = kernel_op("combine_rows", _combine_rows, mutates_args=("out",),
                          cpu=_reference.combine_rows)
 weight_grad = kernel_op("weight_grad", _weight_grad, mutates_args=("out",),

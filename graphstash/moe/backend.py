@@ -34,6 +34,7 @@ class Kernels(NamedTuple):
     :mod:`graphstash.reference.experts`."""
     name: str                                  # "cupy" or "reference"
     gather_rows: Callable[..., None]
+    place_rows: Callable[..., None]
     combine_rows: Callable[..., None]
     weight_grad: Callable[..., None]
     act_forward: Callable[..., None]
@@ -42,12 +43,13 @@ class Kernels(NamedTuple):
     route_fits: Callable[[int], bool] | None
 
 
-OPERATORS = Kernels("cupy", _kernel_moe.gather_rows, _kernel_moe.combine_rows,
-                    _kernel_moe.weight_grad, _kernel_experts.act_forward,
+OPERATORS = Kernels("cupy", _kernel_moe.gather_rows, _kernel_moe.place_rows,
+                    _kernel_moe.combine_rows, _kernel_moe.weight_grad, _kernel_experts.act_forward,
                     _kernel_experts.act_backward, _kernel_moe.route_local,
                     _kernel_moe.route_fits)
-REFERENCE = Kernels("reference", _reference_moe.gather_rows, _reference_moe.combine_rows,
-                    _reference_moe.weight_grad, _reference_experts.act_forward,
+REFERENCE = Kernels("reference", _reference_moe.gather_rows, _reference_moe.place_rows,
+                    _reference_moe.combine_rows, _reference_moe.weight_grad,
+                    _reference_experts.act_forward,
                     _reference_experts.act_backward, None, None)
 
 
@@ -60,9 +62,9 @@ REFERENCE = Kernels("reference", _reference_moe.gather_rows, _reference_moe.comb
 # the reference itself, so a trace on the CPU takes them instead: the same arithmetic, in a
 # form every torch version traces correctly. (CUDA tensors take the operators anyway; a GPU
 # without CuPy runs the reference uncompiled only.)
-TRACED_REFERENCE = Kernels("reference", OPERATORS.gather_rows, OPERATORS.combine_rows,
-                           OPERATORS.weight_grad, OPERATORS.act_forward, OPERATORS.act_backward,
-                           None, None)
+TRACED_REFERENCE = Kernels("reference", OPERATORS.gather_rows, OPERATORS.place_rows,
+                           OPERATORS.combine_rows, OPERATORS.weight_grad, OPERATORS.act_forward,
+                           OPERATORS.act_backward, None, None)
 
 
 def kernels_for(backend: str, device: torch.device) -> Kernels:

@@ -1,6 +1,6 @@
 """Pure-torch MoE dispatch/combine kernels: the CPU backend and the oracle for the CUDA kernels.
 
-``gather_rows``, ``combine_rows`` and ``weight_grad`` take the same arguments as their
+``gather_rows``, ``place_rows``, ``combine_rows`` and ``weight_grad`` take the same arguments as their
 counterparts in :mod:`graphstash._kernels.moe` and write the same values into ``out``:
 gathers bit for bit, weighted sums bit for bit too (NOTE [exact arithmetic] in
 ``raw_kernels/gs_dtype.cuh``), the weight gradient up to summation order.
@@ -55,6 +55,20 @@ def gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor, *,
     picked, valid = _rows(src, index)
     mask = valid.view(-1, *([1] * (src.dim() - 1)))
     out.copy_(torch.where(mask, picked, torch.zeros((), dtype=src.dtype, device=src.device)))
+
+
+def place_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+    """``out[i] = src[index[i]]`` bitwise where ``index[i]`` is a row of ``src``; every other
+    row of ``out`` keeps what it holds (where :func:`gather_rows` writes zeros).
+
+    Args:
+        out: ``[N, ...]`` destination, same dtype, device and row shape as ``src``.
+        src: ``[M, ...]`` source rows.
+        index: int32 ``[N]`` source row of each destination row, ``-1`` for none.
+    """
+    picked, valid = _rows(src, index)
+    mask = valid.view(-1, *([1] * (src.dim() - 1)))
+    out.copy_(torch.where(mask, picked, out))
 
 
 def combine_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
