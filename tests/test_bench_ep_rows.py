@@ -240,11 +240,12 @@ def _bench_rows_ranks(rank: int, world: int) -> None:
             moved = got[row][i]["bytes"]
             assert {k: moved[k] for k in want} == want, (rank, row, i, moved, want)
         # the resend pushes each layer's rows again, without their weights, in a round of
-        # its own (two barriers) (NOTE [resent rows])
+        # its own (two barriers) (NOTE [resent rows]); a rank's own rows it copies from the
+        # tokens, never pushes (NOTE [resent own rows])
         again = {"sent": want["sent"] + away * ROW_BYTES,
-                 "local": want["local"] + home * ROW_BYTES,
+                 "local": want["local"],
                  "meta": want["meta"] + LAYERS * 8 * (2 * world),
-                 "rows": want["rows"] + home + away,
+                 "rows": want["rows"] + away,
                  "barriers": want["barriers"] + 2 * LAYERS}
         moved = got["live rows + resend"][i]["bytes"]
         assert {k: moved[k] for k in again} == again, (rank, i, moved, again)

@@ -17,6 +17,17 @@ in the combine direction ``row_peer`` / ``row_slot`` (only live, non-padding row
 weights travel beside the rows in the same round (the ``WEIGHTS`` field), so
 ``permuted_weights()`` costs no exchange of its own (the push kernel copies a row's weight
 with the row, in the same launch).
+
+NOTE [resent own rows]: a push also moves the rows a rank routes to its own experts, into its
+own region, and the copy-out reads them back. On the whole grid that costs nothing: the push
+waits on the links, and the own rows move meanwhile (leaving them out of every push, and
+placing each from where it was, made the live rows' step 1.75 ms slower on two H200,
+docs/exchange.md, "The push on 16 SMs"). The resend is the push held to a few SMs beside the
+experts' GEMMs (NOTE [exchange beside the experts] in ``overlap.py``), where the own rows take
+those SMs from the rows that cross (on 16 SMs, 4 KiB rows, half of them a rank's own: 0.75
+of the copy engine's bandwidth, against 0.86 when every row crosses). So the resend alone
+leaves them out of its push (receivers at -1) and places each from the tokens after the
+copy-out (``place_rows``, on the whole grid), where it costs one copy instead of two.
 """
 from __future__ import annotations
 
@@ -31,33 +42,44 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _dispatch_direction(plan: ExchangePlan, moe_ops, rows, weights=None, *,
-                        fresh: bool) -> None:
+                        fresh: bool, own_rows_home: bool = False) -> None:
     """Push rows from senders to their receivers and copy them out (NOTE [receive buffer
     lifetime]). ``rows``: ``(src [N, H], src_index [P] or None, out [R, H])``; ``weights``
     (optional): ``(src [N2], src_index [P] or None, out [R])``, moved in the same launch;
-    ``fresh``: the count barrier just passed, so the first round needs no barrier of its own."""
+    ``fresh``: the count barrier just passed, so the first round needs no barrier of its own;
+    ``own_rows_home`` (without ``weights``): this rank's own rows are not pushed but placed
+    from ``src`` after the copy-out (NOTE [resent own rows])."""
     t = plan.transport
     R = plan.budget_rows
     src, index, out = rows
     w_src, w_index, w_out = weights if weights is not None else (None, None, None)
+    peer, row_src = plan.slot_peer, plan.row_src
+    if own_rows_home:
+        own = plan.row_peer == t.rank
+        peer = torch.where(plan.slot_peer == t.rank, -1, plan.slot_peer)
+        row_src = torch.where(own, -1, plan.row_src)
     for i, (lo, hi) in enumerate(plan.windows):
         if i or not fresh:
             t.barrier(plan.status)
-        t.push(X.XF_ROWS, src, index, plan.slot_peer, plan.slot_row, plan.live_slots, lo, hi,
+        t.push(X.XF_ROWS, src, index, peer, plan.slot_row, plan.live_slots, lo, hi,
                weights=w_src, weights_index=w_index)
         t.barrier(plan.status)
         top = min(hi, R)
         if top <= lo:
             continue
-        where = plan.row_src
+        where = row_src
         if (lo, top) != (0, R):
-            window = plan.row_src[lo:top]
+            window = row_src[lo:top]
             where = torch.where(window >= 0, window - lo, window)
         moe_ops.gather_rows(out[lo:top], t.field_view(X.XF_ROWS, out.dtype, out.shape[1],
                                                       top - lo), where)
         if w_out is not None:
             moe_ops.gather_rows(w_out.view(-1, 1)[lo:top],
                                 t.field_view(X.XF_WEIGHTS, w_out.dtype, 1, top - lo), where)
+    if own_rows_home:
+        slot = plan.row_slot.clamp(min=0).long()
+        moe_ops.place_rows(out, src, torch.where(own, slot if index is None else index[slot],
+                                                 -1).to(torch.int32))
 
 
 def _combine_direction(plan: ExchangePlan, rows=None, weights=None) -> None:
@@ -220,7 +242,7 @@ def exchange_resend(x: torch.Tensor, plan: ExchangePlan, moe_ops,
     if out is None:
         out = x.new_empty(plan.budget_rows, x.shape[1])
     _dispatch_direction(plan, moe_ops, (x.detach().contiguous(), plan.token_of_slot, out),
-                        fresh=False)
+                        fresh=False, own_rows_home=True)   # NOTE [resent own rows]
     return out
 
 
