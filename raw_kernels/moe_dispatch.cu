@@ -36,35 +36,26 @@ __device__ void gather_impl(V* __restrict__ dst, const V* __restrict__ src,
     }
 }
 
-#define GS_GATHER(W, V)                                                                        \
-    extern "C" __global__ void __launch_bounds__(GS_THREADS)                                   \
-        gs_moe_gather_v##W(V* dst, const V* src, const int* index, long long rows_out,         \
-                           long long vec_per_row, long long src_rows) {                        \
-        gather_impl<V, false>(dst, src, index, rows_out, vec_per_row, src_rows);               \
-    }
-GS_GATHER(16, uint4)
-GS_GATHER(8, uint2)
-GS_GATHER(4, unsigned int)
-GS_GATHER(2, unsigned short)
-GS_GATHER(1, unsigned char)
-
-// ---------------------------------------------------------------------------------------
 // gs_moe_place_v<W>: dst[i] = src[index[i]] where index[i] is a source row; every other row
-// of dst is left as it is (the gather above zeroes it). Two calls fill one buffer from two
+// of dst is left as it is (where the gather zeroes it). Two calls fill one buffer from two
 // sources: the resend's copy-out takes the received rows from the region and a rank's own
 // rows straight from its tokens (NOTE [resent own rows] in graphstash/moe/exchange/autograd.py).
-// ---------------------------------------------------------------------------------------
-#define GS_PLACE(W, V)                                                                         \
+#define GS_GATHER(NAME, KEEP, W, V)                                                            \
     extern "C" __global__ void __launch_bounds__(GS_THREADS)                                   \
-        gs_moe_place_v##W(V* dst, const V* src, const int* index, long long rows_out,          \
-                          long long vec_per_row, long long src_rows) {                         \
-        gather_impl<V, true>(dst, src, index, rows_out, vec_per_row, src_rows);                \
+        gs_moe_##NAME##_v##W(V* dst, const V* src, const int* index, long long rows_out,       \
+                             long long vec_per_row, long long src_rows) {                      \
+        gather_impl<V, KEEP>(dst, src, index, rows_out, vec_per_row, src_rows);                \
     }
-GS_PLACE(16, uint4)
-GS_PLACE(8, uint2)
-GS_PLACE(4, unsigned int)
-GS_PLACE(2, unsigned short)
-GS_PLACE(1, unsigned char)
+GS_GATHER(gather, false, 16, uint4)
+GS_GATHER(gather, false, 8, uint2)
+GS_GATHER(gather, false, 4, unsigned int)
+GS_GATHER(gather, false, 2, unsigned short)
+GS_GATHER(gather, false, 1, unsigned char)
+GS_GATHER(place, true, 16, uint4)
+GS_GATHER(place, true, 8, uint2)
+GS_GATHER(place, true, 4, unsigned int)
+GS_GATHER(place, true, 2, unsigned short)
+GS_GATHER(place, true, 1, unsigned char)
 
 // ---------------------------------------------------------------------------------------
 // gs_moe_spread_v<W>: the same result as gs_moe_gather_v<W> (dst[i] = src[index[i]], zero
