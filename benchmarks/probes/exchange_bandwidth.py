@@ -423,6 +423,8 @@ def main() -> None:
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=device)
     group = dist.group.WORLD
+    if "remote" in counts and dist.get_world_size(group) < 2:
+        parser.error("--counts remote: needs two ranks or more (every row goes to another rank)")
     import torch.distributed._symmetric_memory as symm_mem
 
     try:
