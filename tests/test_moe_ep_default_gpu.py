@@ -16,10 +16,11 @@ import torch.multiprocessing as mp
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
 
-def _entry(rank: int, world: int, tmp: str) -> None:
+def _entry(rank: int, world: int, tmp: str, case: str = "default") -> None:
     import torch.distributed as dist
 
     from _ep_default import default_path_case
+    from _ep_gathered import model_case, weighted_case
 
     path = os.path.join(tmp, f"rank{rank}.txt")
     try:
@@ -28,9 +29,13 @@ def _entry(rank: int, world: int, tmp: str) -> None:
                                 rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=300),
                                 device_id=torch.device("cuda", rank))
+        device = torch.device("cuda", rank)
         try:
-            result = default_path_case(rank, world, torch.device("cuda", rank),
-                                       (torch.float32, torch.bfloat16))
+            if case == "default":
+                result = default_path_case(rank, world, device, (torch.float32, torch.bfloat16))
+            else:                       # NOTE [gathered tokens]: NCCL's all-gather, captured
+                result = (model_case(rank, world, device, (torch.float32, torch.bfloat16)),
+                          weighted_case(rank, world, device, torch.float32))
         finally:
             dist.destroy_process_group()
         with open(path, "w") as f:
@@ -41,16 +46,28 @@ def _entry(rank: int, world: int, tmp: str) -> None:
         os._exit(1)
 
 
-def test_default_path_on_gpus():
+def _run(case: str) -> list[str]:
     from _world import WORLD_SIZE, require_gpus
 
     world = WORLD_SIZE
     require_gpus(world)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_entry, args=(world, tmp), nprocs=world, start_method="spawn",
+        mp.start_processes(_entry, args=(world, tmp, case), nprocs=world, start_method="spawn",
                            join=True)
         texts = [open(os.path.join(tmp, f"rank{r}.txt")).read() for r in range(world)]
     failed = [t for t in texts if not t.startswith("ok\n")]
     assert not failed, "\n".join(failed)
-    for t in texts:
+    return texts
+
+
+def test_default_path_on_gpus():
+    for t in _run("default"):
         assert "live rows over symmetric" in t, t
+
+
+def test_gathered_tokens_on_gpus():
+    """``exchange_kind="gathered tokens"`` over NCCL, float32 and bfloat16, kept and
+    regathered, and a weighted combine: equal to the one-device reference
+    (tests/_ep_gathered.py)."""
+    for t in _run("gathered"):
+        assert "'equal'" in t and "gathered tokens" in t, t

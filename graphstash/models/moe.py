@@ -31,6 +31,7 @@ from .plain import plain_moe
 from .routing import parse_routing, routing_bias
 
 MODES = ("dropless", "budget", "stash", "plain")
+EXCHANGE_KINDS = ("live rows", "gathered tokens")      # MoEConfig.exchange_kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,10 @@ class MoEConfig:
     # GEMMs; None: the exchange's default, 0: none (NOTE [exchange beside the experts] in
     # graphstash/moe/exchange/overlap.py)
     overlap_sms: int | None = None
+    # expert parallel under a group (exchange="auto"): "live rows" (each of a token's rows
+    # pushed to its expert's rank) or "gathered tokens" (each token once to every rank, NOTE
+    # [gathered tokens] in graphstash/moe/exchange/gathered.py)
+    exchange_kind: str = "live rows"
 
     def __post_init__(self):
         for name in ("hidden", "ffn", "num_experts", "topk", "layers", "num_tokens", "heads",
@@ -80,6 +85,9 @@ class MoEConfig:
                 raise TypeError(f"{name}: expected a bool, got "
                                 f"{type(getattr(self, name)).__name__}")
         parse_routing(self.routing)
+        if self.exchange_kind not in EXCHANGE_KINDS:
+            raise ValueError(f"exchange_kind: expected one of {EXCHANGE_KINDS}, got "
+                             f"{self.exchange_kind!r}")
         if self.attention and self.hidden % self.heads:
             raise ValueError(f"heads: expected a divisor of hidden={self.hidden}, got "
                              f"{self.heads}")
@@ -308,6 +316,9 @@ class MoEModel(nn.Module):
                              "(NOTE [resent rows]); NCCL's chunks and the plain peer keep what "
                              "arrived: pass exchange='auto' or a Transport with a mode other "
                              "than 'plain', or resend_rows=False")
+        if config.exchange_kind != "live rows" and world > 1 and exchange != "auto":
+            raise ValueError(f"config.exchange_kind: {config.exchange_kind!r} runs over the "
+                             f"group with exchange='auto'; got exchange={exchange!r}")
         if exchange not in (None, "auto"):
             if mode == "plain":
                 raise ValueError("exchange: the plain peer sends its rows with all_to_all; "
@@ -316,7 +327,7 @@ class MoEModel(nn.Module):
                                            overlap_sms=config.overlap_sms)
         elif group is not None and mode != "plain" and exchange == "auto":
             self._exchange = make_exchange(
-                group, topk=config.topk, num_experts=config.num_experts,
+                group, kind=config.exchange_kind, topk=config.topk, num_experts=config.num_experts,
                 capacity_factor=config.capacity_factor, pad_multiple=config.pad_multiple,
                 num_tokens=config.num_tokens, owner="MoEModel", budgets=self.budgets,
                 resend=config.resend_rows, overlap_sms=config.overlap_sms)

@@ -391,6 +391,11 @@ class _GatheredRows:
             return _CombineUnweighted.apply(y, plan, kernels)
         return _Combine.apply(y, topk_weight, plan, kernels)
 
+    def permuted_weights(self, topk_weight, plan, kernels):
+        """``[budget_rows]``: the router weight (``topk_weight`` ``[T, K]``) of the pair
+        feeding each permuted row of ``plan``, 0 for none; differentiable."""
+        return _PermuteWeights.apply(topk_weight, plan, kernels)
+
 
 class OneDevice(_GatheredRows):
     """Every expert on this device: the rows are gathered locally (:func:`plan_local`)."""

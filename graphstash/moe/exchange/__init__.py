@@ -21,6 +21,7 @@ from .. import register_transport_adapter
 from .autograd import exchange_combine, exchange_dispatch
 from .build import build_transport, describe_exchange, transport_kind
 from .factory import GroupExchange, make_exchange, receive_rows
+from .gathered import GatheredPlan, GatheredTokens
 from .gloo import GlooTransport, build_gloo_transport
 from .ipc import build_ipc_transport
 from .live import LiveRows
@@ -32,7 +33,7 @@ from .transport import DEFAULT_TIMEOUT_S, PeerTransport, Transport
 # NOTE [row exchange] in graphstash/moe/_dispatch.py: exchange=transport means its live rows
 register_transport_adapter(Transport, LiveRows)
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ExchangePlan", "GlooTransport", "GroupExchange", "LiveRows",
+__all__ = ["DEFAULT_TIMEOUT_S", "ExchangePlan", "GatheredPlan", "GatheredTokens", "GlooTransport", "GroupExchange", "LiveRows",
            "PeerTransport", "Transport",
            "build_gloo_transport", "build_ipc_transport", "build_local_transports",
            "build_symmetric_transport", "build_transport", "describe_exchange", "exchange_combine",

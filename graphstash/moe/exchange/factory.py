@@ -26,6 +26,7 @@ import torch
 from ..._checks import forbid_capture, require_positive_int
 from .. import NcclChunks, budget_rows
 from .build import build_transport
+from .gathered import GatheredTokens
 from .live import LiveRows
 from .transport import DEFAULT_TIMEOUT_S, Transport
 
@@ -47,7 +48,7 @@ def receive_rows(num_tokens: int, topk: int, num_experts: int, *, world_size: in
     return max(budget, num_tokens * topk)
 
 
-KINDS = ("live rows", "nccl chunks")
+KINDS = ("live rows", "nccl chunks", "gathered tokens")
 
 
 def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: int | None = None,
@@ -63,6 +64,8 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
     - ``transport``: :class:`LiveRows` over it (its ranks are the exchange's);
     - ``group`` and ``kind="nccl chunks"``: :class:`~graphstash.moe.NcclChunks` of
       ``chunk_rows`` rows (None: the budget's);
+    - ``group`` and ``kind="gathered tokens"``: :class:`GatheredTokens` (each token moved
+      once per rank, NOTE [gathered tokens] in ``gathered.py``);
     - ``group`` and ``kind="live rows"``: a :class:`GroupExchange`, which builds the live-row
       transport at the first forward, sized by :func:`receive_rows` from ``topk``,
       ``num_experts``, ``capacity_factor`` (or the largest factor of ``budgets``, a
@@ -70,9 +73,9 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
       and ``num_tokens``, and falls back to NCCL's chunks where none can be built;
       ``num_experts`` must be a multiple of the group's ranks (ValueError naming it).
 
-    ``resend=True`` (live rows only): the experts' backward pushes the rows again instead of
-    keeping what arrived, one ``[budget, hidden]`` tensor less per layer for one more push
-    (NOTE [resent rows] in ``live.py``). ``overlap_sms`` (live rows only): the
+    ``resend=True`` (live rows, gathered tokens): the experts' backward pushes the rows (or
+    gathers the tokens) again instead of keeping what arrived, one ``[budget, hidden]`` tensor
+    less per layer for one more exchange (NOTE [resent rows] in ``live.py``). ``overlap_sms`` (live rows only): the
     multiprocessors a backward push takes beside the experts' GEMMs (:class:`LiveRows`; NOTE
     [exchange beside the experts] in ``overlap.py``).
 
@@ -83,6 +86,9 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
     if not isinstance(resend, bool):
         raise TypeError(f"resend: expected a bool, got {type(resend).__name__}")
     if transport is not None:
+        if kind != "live rows":
+            raise ValueError(f"kind: a transport carries live rows; got kind={kind!r} with "
+                             "transport= (pass kind='live rows', or group= alone)")
         if group is not None and group is not transport.group:
             raise ValueError("group: expected None or the group the transport was built over")
         return LiveRows(transport, resend=resend, overlap_sms=overlap_sms)
@@ -107,6 +113,15 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
                              "kind='live rows' runs pushes beside the experts (pass "
                              "overlap_sms=None)")
         return NcclChunks(group, chunk_rows)
+    if kind == "gathered tokens":
+        if chunk_rows is not None:
+            raise ValueError("chunk_rows: gathered tokens send no chunks; pass "
+                             "kind='nccl chunks'")
+        if overlap_sms is not None:
+            raise ValueError("overlap_sms: gathered tokens run on NCCL's own kernels; only "
+                             "kind='live rows' runs pushes beside the experts (pass "
+                             "overlap_sms=None)")
+        return GatheredTokens(group, resend=resend)
     if chunk_rows is not None:
         raise ValueError("chunk_rows: the live-row exchange sends no chunks; pass "
                          "kind='nccl chunks'")
