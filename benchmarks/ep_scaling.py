@@ -40,7 +40,7 @@ import sys
 import time
 
 EP_ROWS = ("eager peer,nccl chunks,worst-case buffers,live rows,live rows + stash,"
-           "live rows + resend,no exchange")
+           "live rows + resend,gathered tokens,gathered tokens + resend,no exchange")
 ONE_GPU_ROWS = {"plain eager": "eager peer", "graph + budget": "live rows",
                 "graph + budget + stash": "live rows + stash"}
 
@@ -143,7 +143,7 @@ def table(args) -> int:
             preset = name.split("_ep")[0]
             found[(preset, ep, config["routing"])] = (config, gpus, rows)
     order = ("eager peer", "nccl chunks", "worst-case buffers", "live rows", "live rows + stash",
-             "live rows + resend", "no exchange")
+             "live rows + resend", "gathered tokens", "gathered tokens + resend", "no exchange")
     for preset in sorted({k[0] for k in found}):
         print(f"\n### {preset}\n")
         print("| EP | layers | routing | row | step ms | peer / row | act MiB | act / peer "

@@ -63,7 +63,8 @@ BAD = [
      "--device cpu asks for none; on the CPU run it without torchrun"),
     (("--ep", "2", "--modes", "graph + budget"), None,
      "--modes: expected names from eager peer, nccl chunks, worst-case buffers, live rows, "
-     "live rows + stash, live rows + resend, no exchange with --ep, got 'graph + budget'"),
+     "live rows + stash, live rows + resend, gathered tokens, gathered tokens + resend, "
+     "no exchange with --ep, got 'graph + budget'"),
     (("--ep", "4", "--hidden", "64", "--ffn", "32", "--experts", "6", "--topk", "2"), None,
      "--experts: expected a multiple of the 4 ranks, got 6"),
     (("--ep", "2", "--layers", "0"), None, "--layers: expected a positive int, got 0"),

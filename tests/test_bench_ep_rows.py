@@ -194,7 +194,8 @@ def _bench_rows_ranks(rank: int, world: int) -> None:
                            dtype=torch.float32)
     got = {row: _run_row(row, rank, world, batches)
            for row in ("worst-case buffers", "live rows", "live rows + stash",
-                       "live rows + resend", "eager peer")}
+                       "live rows + resend", "gathered tokens", "gathered tokens + resend",
+                       "eager peer")}
     got["live rows, built by the model"] = _run_row("live rows", rank, world, batches, own=True)
     # NCCL's chunks of every row a rank could send to another: no step over budget to rerun
     got["nccl chunks"] = _run_row("nccl chunks", rank, world, batches,
@@ -252,6 +253,14 @@ def _bench_rows_ranks(rank: int, world: int) -> None:
         peer = got["eager peer"][i]["bytes"]["sent"]
         assert peer == (away + received) * 2 * ROW_BYTES \
             + LAYERS * (world - 1) * (E // world) * 8, (rank, i, peer)
+        # gathered tokens (NOTE [gathered tokens]): per layer, every rank's [T, H] tokens
+        # gathered, the partial outputs summed back, both again in backward, and the routing
+        # and router weights gathered (their gradients summed back); the resend gathers the
+        # tokens once more
+        gathered = LAYERS * (world - 1) * (4 * T * ROW_BYTES + 3 * T * K * 4)
+        assert got["gathered tokens"][i]["bytes"]["sent"] == gathered, (rank, i)
+        assert got["gathered tokens + resend"][i]["bytes"]["sent"] == \
+            gathered + LAYERS * (world - 1) * T * ROW_BYTES, (rank, i)
     # the check can fail: rows cross ranks and stay home in these batches
     assert all(sum(r for _, _, r in c) and sum(m for m, _, _ in c) for c in every_call)
 

@@ -20,6 +20,11 @@ ranks, and the buffers they land in, change:
 - ``live rows + resend``: the live rows pushed again in backward instead of kept
   (``MoEConfig(resend_rows=True)``, NOTE [resent rows] in
   ``graphstash/moe/exchange/live.py``);
+- ``gathered tokens``: each token sent once to every rank and each token's output summed
+  back (``MoEConfig(exchange_kind="gathered tokens")``, NOTE [gathered tokens] in
+  ``graphstash/moe/exchange/gathered.py``), NCCL's all-gather and reduce-scatter under
+  ``graph_step``; ``gathered tokens + resend``: the same, the tokens gathered again in
+  backward instead of their rows kept;
 - ``no exchange``: no expert parallelism, the baseline of what the exchange costs (NOTE
   [no-exchange row]).
 
@@ -47,13 +52,17 @@ from ...moe.exchange import receive_rows
 from ..training import WARMUP, TrainingRun, eager_step, forward_backward_of, routed_step
 
 ROWS = ("eager peer", "nccl chunks", "worst-case buffers", "live rows", "live rows + stash",
-        "live rows + resend", "no exchange")
+        "live rows + resend", "gathered tokens", "gathered tokens + resend", "no exchange")
 GRAPHED = ROWS[1:]
-PEER_ROWS = ROWS[:2]            # rows whose tokens travel through torch.distributed collectives
-TRANSPORT_ROWS = ROWS[2:6]      # rows whose tokens travel through a live-row transport
-LOCAL_ROWS = ROWS[6:]           # rows whose tokens never leave their rank
+# rows whose tokens travel through torch.distributed collectives
+PEER_ROWS = ("eager peer", "nccl chunks", "gathered tokens", "gathered tokens + resend")
+# rows whose tokens travel through a live-row transport
+TRANSPORT_ROWS = ("worst-case buffers", "live rows", "live rows + stash", "live rows + resend")
+LOCAL_ROWS = ("no exchange",)   # rows whose tokens never leave their rank
+GATHERED_ROWS = ("gathered tokens", "gathered tokens + resend")   # exchange_kind's
 MODEL_MODE = {"eager peer": "plain", "nccl chunks": "budget", "worst-case buffers": "budget",
               "live rows": "budget", "live rows + stash": "stash", "live rows + resend": "budget",
+              "gathered tokens": "budget", "gathered tokens + resend": "budget",
               "no exchange": "budget"}
 BUILDS_OWN = ("live rows", "live rows + stash", "live rows + resend")   # MoEModel(config, group=g)
 
@@ -138,7 +147,11 @@ def worst_case_config(config: MoEConfig, world_size: int) -> MoEConfig:
 def row_config(row: str, config: MoEConfig, world_size: int) -> MoEConfig:
     """The model configuration ``row`` runs: the worst-case budget for ``worst-case buffers``,
     NCCL chunks of the capacity factor for ``nccl chunks``, one rank's experts for ``no
-    exchange``, the rows resent for ``live rows + resend``, else ``config``."""
+    exchange``, the rows resent for ``live rows + resend``, the gathered tokens'
+    ``exchange_kind`` for theirs, else ``config``."""
+    if row in GATHERED_ROWS:
+        return dataclasses.replace(config, exchange_kind="gathered tokens",
+                                   resend_rows=row == "gathered tokens + resend")
     if row == "live rows + resend":
         return dataclasses.replace(config, resend_rows=True)
     if row == "worst-case buffers":
@@ -208,7 +221,7 @@ def build_row(row: str, config: MoEConfig, device: torch.device, dtype: torch.dt
                          "collectives and needs their process group; got None")
     on_gpu = device.type == "cuda"
     graphed = row in GRAPHED
-    if built_here:                    # README's path: the exchange built at the first forward
+    if built_here or row in GATHERED_ROWS:   # README's path: the exchange made by the model
         exchange = "auto"
     else:
         exchange = transport if row in TRANSPORT_ROWS else None

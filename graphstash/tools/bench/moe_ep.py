@@ -437,7 +437,7 @@ def measure_row(row: str, config: MoEConfig, ranks, batches: list, steps: int, *
         counted = "nothing leaves the rank"
     else:
         moved = {"sent": sent[0] / warmup, "local": 0.0, "meta": 0.0}
-        counted = "split sizes, warmup steps"
+        counted = "collective sizes, warmup steps"
     exchange = run.model.exchange_kind
     calls = warmup + 1 + steps + (PROFILE_STEPS if profile else 0)
     ranks.sync()

@@ -95,8 +95,10 @@ def routing_from_args(args) -> str:
 @contextlib.contextmanager
 def count_exchange(group):
     """Count the bytes this rank sends to other ranks through ``all_to_all_single`` (ours and
-    the autograd version both call ``torch.distributed.all_to_all_single``); yields a one-item
-    list holding the running total."""
+    the autograd version both call ``torch.distributed.all_to_all_single``),
+    ``all_gather_into_tensor`` (its input to each other rank) and ``reduce_scatter_tensor``
+    (each other rank's block of its input); yields a one-item list holding the running
+    total."""
     total = [0]
     if group is None:
         yield total
@@ -115,11 +117,23 @@ def count_exchange(group):
         total[0] += sent * row
         return original(output, input, output_split_sizes, input_split_sizes, *a, **k)
 
+    gather, scatter = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+
+    def gathering(output, input, *a, **k):
+        total[0] += input.numel() * input.element_size() * (world - 1)
+        return gather(output, input, *a, **k)
+
+    def scattering(output, input, *a, **k):
+        total[0] += input.numel() * input.element_size() // world * (world - 1)
+        return scatter(output, input, *a, **k)
+
     dist.all_to_all_single = counting
+    dist.all_gather_into_tensor, dist.reduce_scatter_tensor = gathering, scattering
     try:
         yield total
     finally:
         dist.all_to_all_single = original
+        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = gather, scatter
 
 
 DEFAULT_PREFETCH = "after_release"     # the stash rows' StashConfig.prefetch (see below)
