@@ -452,7 +452,15 @@ def _ep_case(rank, world, device, seed):
     # in the order the default does not take on this device (NOTE [exchange beside the
     # experts]: beside the GEMMs by default on a GPU, in line on the CPU)
     other = {"overlap_sms": 0 if device.type == "cuda" else 1}
-    for kwargs in ({}, {"resend_rows": True}, {"resend_rows": True, **other}):
+    gathered = {"exchange_kind": "gathered tokens"}      # NOTE [gathered tokens]
+    with pytest.raises(ValueError, match="exchange_kind: expected 'live rows' or 'gathered"):
+        gst.configure(twin(ref, gst.IMPLEMENTATION), group=dist.group.WORLD,
+                      exchange_kind="gathered")
+    with pytest.raises(ValueError, match="exchange_kind: 'gathered tokens' runs over the group"):
+        gst.configure(twin(ref, gst.IMPLEMENTATION), group=dist.group.WORLD, exchange=None,
+                      **gathered)
+    for kwargs in ({}, {"resend_rows": True}, {"resend_rows": True, **other}, gathered,
+                   {"resend_rows": True, **gathered}):
         resend_rows = kwargs.get("resend_rows", False)
         ref.zero_grad(set_to_none=True)
         ref.cpu()
@@ -463,6 +471,9 @@ def _ep_case(rank, world, device, seed):
         ours.to(device)
         _ep_compare(ours, ref, names, rank, world, device, seed)
         exchange = gst.settings_of(ours.get_submodule(names[0])).exchange
+        if "exchange_kind" in kwargs:
+            assert exchange.kind == "gathered tokens" and exchange.resend == resend_rows
+            continue
         assert exchange.transport is not None and exchange.transport.device == device, \
             exchange.kind
         assert exchange.kind.endswith(", resent") == resend_rows, exchange.kind

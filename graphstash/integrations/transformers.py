@@ -298,7 +298,8 @@ def _shard(module: nn.Module, name: str, group, world: int, rank: int) -> int:
 
 def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = True,
               group=None, exchange="auto", num_tokens: int | None = None,
-              resend_rows: bool = False, overlap_sms: int | None = None) -> list[str]:
+              resend_rows: bool = False, overlap_sms: int | None = None,
+              exchange_kind: str = "live rows") -> list[str]:
     """Set how the ``"graphstash"`` experts backend runs the experts of ``model``.
 
     Call it after ``model.set_experts_implementation("graphstash")`` (or loading with
@@ -334,6 +335,11 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
         overlap_sms: with ``group`` and the live-row exchange, the multiprocessors a backward
             push takes beside the experts' GEMMs (NOTE [exchange beside the experts] in
             ``graphstash/moe/exchange/overlap.py``); 0: none; None: the exchange's default.
+        exchange_kind: with ``group`` and ``exchange="auto"``, ``"live rows"`` (each of a
+            token's rows pushed to its expert's rank) or ``"gathered tokens"`` (each token
+            sent once to every rank, its outputs summed back: NOTE [gathered tokens] in
+            ``graphstash/moe/exchange/gathered.py``; ``resend_rows`` then gathers the tokens
+            again in backward).
 
     Returns the names of the experts modules configured. Raises ValueError when ``model`` has no
     experts module, uses another experts implementation, or has experts the backend does not
@@ -376,6 +382,12 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
         raise TypeError(f"resend_rows: expected a bool, got {type(resend_rows).__name__}")
     if overlap_sms is not None:
         require_positive_int("overlap_sms", overlap_sms, allow_zero=True)
+    if exchange_kind not in ("live rows", "gathered tokens"):
+        raise ValueError(f"exchange_kind: expected 'live rows' or 'gathered tokens', got "
+                         f"{exchange_kind!r}")
+    if exchange_kind != "live rows" and world > 1 and exchange != "auto":
+        raise ValueError(f"exchange_kind: {exchange_kind!r} runs over the group with "
+                         f"exchange='auto'; got exchange={exchange!r}")
     if resend_rows and world > 1 and exchange is None:
         raise ValueError("resend_rows: NCCL's chunks (exchange=None) keep what arrived; only the "
                          "live-row exchange pushes rows again (NOTE [resent rows]): pass "
@@ -387,7 +399,10 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
         from ..moe.exchange import Transport, make_exchange
 
         budgets = DispatchBudgets(float(capacity_factor))     # NOTE [experts budget]
-        if exchange == "auto":
+        if exchange == "auto" and exchange_kind == "gathered tokens":
+            row_exchange = make_exchange(group, kind=exchange_kind, resend=resend_rows,
+                                         overlap_sms=overlap_sms)
+        elif exchange == "auto":
             row_exchange = _group_exchange(model, modules, capacity_factor, group, num_tokens,
                                            budgets, resend_rows, overlap_sms)
         elif exchange is None:
