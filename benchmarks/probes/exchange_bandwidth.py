@@ -20,6 +20,11 @@ skewed counts) every method moves the same rows:
 - ``copy_out``: the receiver's gather of the rows it received out of its own region into the
   permuted buffer (local: the half of a dispatch that does not cross a link);
 - ``nccl``: ``all_to_all_single`` of the same rows with their split sizes;
+- ``all_gather``, ``reduce_scatter``: NCCL's ``all_gather_into_tensor`` of a rank's ``rows``
+  rows (every rank's rows to every rank) and ``reduce_scatter_tensor`` back, what the gathered
+  tokens run (NOTE [gathered tokens] in ``graphstash/moe/exchange/gathered.py``); their GB/s
+  count the ``rows x (W - 1)`` rows each rank sends, the bytes of ``--counts remote`` at two
+  ranks;
 - ``vdev`` (``--methods vdev`` alone: it needs the NVSHMEM backend, the others the CUDA one):
   torch symmetric memory's ``all_to_all_vdev``, or the error that stops it.
 
@@ -61,7 +66,7 @@ from graphstash.moe.exchange import layout as X  # noqa: E402
 ROW_BYTES = (4096, 8192, 16384, 28672)
 ROWS = (1024, 8192, 65536)
 COUNTS = ("balanced", "skewed", "remote")
-METHODS = ("ceiling", "push", "copy_out", "nccl")
+METHODS = ("ceiling", "push", "copy_out", "nccl", "all_gather", "reduce_scatter")
 RAW = ("vpush", "vpull", "bpush", "bpull")
 SKEW = 3.0              # skewed: rank 0 receives SKEW times the rows of any other rank
 
@@ -184,6 +189,14 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
         recv = torch.empty(received, width, dtype=torch.bfloat16, device=device)
         fns["nccl"] = lambda: dist.all_to_all_single(recv, ordered, recv_splits, per_dest,
                                                       group=group)
+    if "all_gather" in methods or "reduce_scatter" in methods:
+        tokens = src[:rows]
+        every = torch.empty(world * rows, width, dtype=torch.bfloat16, device=device)
+        mine = torch.empty(rows, width, dtype=torch.bfloat16, device=device)
+        if "all_gather" in methods:
+            fns["all_gather"] = lambda: dist.all_gather_into_tensor(every, tokens, group=group)
+        if "reduce_scatter" in methods:
+            fns["reduce_scatter"] = lambda: dist.reduce_scatter_tensor(mine, every, group=group)
     if "vdev" in methods:
         fns["vdev"] = _vdev(src, token, per_dest, table, rank, group, device)
     reference = None
@@ -198,6 +211,8 @@ def run_case(row_bytes: int, rows: int, counts: str, methods, transport, group, 
             out[f"{name}_matches"] = bool(torch.equal(got, reference))
         ms = _graph_ms(fn, reps, inner, group, graphed=name != "vdev")
         moved = received * row_bytes if name == "copy_out" else sent
+        if name in ("all_gather", "reduce_scatter"):
+            moved = rows * row_bytes * (world - 1)
         out[f"{name}_ms"] = ms
         out[f"{name}_GBps"] = moved / (ms * 1e-3) / 1e9
         out[f"{name}_sms"] = _sms(fn)
