@@ -67,6 +67,21 @@ def gathered_grads(model: MoEModel, rank: int, world: int) -> dict:
     return grads
 
 
+def check_grads(ref, grads: dict, rank: int, dtype) -> None:
+    """Every parameter gradient of each model in ``grads`` (``{what: gathered_grads(...)}``)
+    within :data:`GRAD_TOLERANCE` of the reference model ``ref``'s, whose gradients must be
+    far from zero."""
+    for name, q in ref.named_parameters():
+        want = q.grad
+        assert want.abs().max() > 1e-3, f"reference gradient of {name} is ~0"
+        scale = want.abs().max().item()
+        for what, got in grads.items():
+            err = (got[name] - want).abs().max().item()
+            limit = GRAD_TOLERANCE[dtype] * scale
+            assert err <= limit, (f"rank {rank} {name} ({what}, {dtype}): max error {err:.3g} "
+                                  f"against reference magnitude {scale:.3g}")
+
+
 def saved_row_counts(model, x) -> list[int]:
     """The row counts of the ``[rows, hidden]`` tensors (parameters left out) autograd saves in
     one forward of ``model`` on tokens ``x`` (``[T, hidden]``), sorted (repeats kept)."""
@@ -131,15 +146,7 @@ def default_path_case(rank: int, world: int, device: torch.device, dtypes) -> di
                                        msg=lambda m: f"{what} output vs reference: {m}")
         grads = {what: gathered_grads(m, rank, world) for what, m in models.items()}
         grads["chunks"] = gathered_grads(chunks, rank, world)
-        for name, q in ref.named_parameters():
-            want = q.grad
-            assert want.abs().max() > 1e-3, f"reference gradient of {name} is ~0"
-            scale = want.abs().max().item()
-            for what, got in grads.items():
-                err = (got[name] - want).abs().max().item()
-                limit = GRAD_TOLERANCE[dtype] * scale
-                assert err <= limit, (f"rank {rank} {name} ({what}, {dtype}): max error {err:.3g} "
-                                      f"against reference magnitude {scale:.3g}")
+        check_grads(ref, grads, rank, dtype)
     # what each keeps: the default model one [budget, hidden] received buffer per layer
     # beside the tokens' [T, hidden] tensors, the resent one only the latter
     kept = saved_row_counts(models["default"], xs[rank])
