@@ -19,8 +19,10 @@ from graphstash.models import MoEModel
 def model_case(rank: int, world: int, device: torch.device, dtypes, **over) -> dict:
     """For each dtype (the models are moved to each in turn): outputs and every gradient of
     the gathered-token model, kept and regathered (``resend_rows``), equal the one-device
-    reference's; the kept model saves one ``[budget, hidden]`` tensor per layer beside the
-    tokens, the regathered one only the tokens. ``over``: config fields (routing, budget)."""
+    reference's. What each keeps beside the tokens: the regathered model nothing; the kept
+    one, per layer, the ``[W * T, hidden]`` gathered tokens where they are fewer than its
+    budget rows (every layer at ``capacity_factor=world``), else the rows (dropless, each
+    rank's own demand). ``over``: config fields (routing, budget)."""
     config = dataclasses.replace(config_for(world, **over), exchange_kind="gathered tokens")
     group = dist.group.WORLD
     configs = {"gathered": config,
@@ -41,21 +43,31 @@ def model_case(rank: int, world: int, device: torch.device, dtypes, **over) -> d
         check_grads(ref, {what: gathered_grads(m, rank, world) for what, m in models.items()},
                      rank, dtype)
         kinds.append([m.exchange_kind for m in models.values()])
-    kept = saved_row_counts(models["gathered"], xs[rank])
-    received = sorted(set(kept) - {T})
-    assert len(received) == 1 and kept.count(received[0]) == config.layers, kept
+    from graphstash import is_dropless
+
+    kept = [n for n in saved_row_counts(models["gathered"], xs[rank]) if n != T]
+    assert len(kept) == config.layers and max(kept) <= world * T, kept
+    if not is_dropless():     # the budget is at least twice the gathered tokens
+        assert config.capacity_factor * config.topk >= 2 * world and kept == [world * T] * config.layers
     assert set(saved_row_counts(models["gathered, resent"], xs[rank])) == {T}
     return {"kinds": kinds}
 
 
-def weighted_case(rank: int, world: int, device: torch.device, dtype) -> str:
-    """``dispatch`` / ``expert_mlp`` / ``combine(weighted=True)`` through
+def weighted_case(rank: int, world: int, device: torch.device, dtype) -> list[str]:
+    """``dispatch`` / ``expert_mlp(handle=)`` / ``combine(weighted=True)`` through
     ``GatheredTokens(group)``: the output and the gradients of the tokens, the router
-    weights and the experts equal one device's over all the ranks' tokens."""
+    weights and the experts equal one device's over all the ranks' tokens, at top-3 (the
+    budget is more rows than the gathered tokens: the experts keep those and take their rows
+    from them again) and top-1 (the budget is the gathered tokens' rows: the rows are kept).
+    Returns what each kept."""
+    return [_weighted(rank, world, device, dtype, K) for K in (3, 1)]
+
+
+def _weighted(rank: int, world: int, device: torch.device, dtype, K: int) -> str:
     from graphstash.moe import budget_rows, combine, dispatch, expert_mlp
     from graphstash.moe.exchange import GatheredTokens
 
-    H, F, E, K = 16, 24, 8, 3
+    H, F, E = 16, 24, 8
     El = E // world
     g = torch.Generator().manual_seed(7)
     xs = torch.randn(world * T, H, generator=g, dtype=torch.float64)
@@ -65,11 +77,17 @@ def weighted_case(rank: int, world: int, device: torch.device, dtype) -> str:
     w2 = torch.randn(E, H, F, generator=g, dtype=torch.float64) * 0.3
     proj = torch.randn(world * T, H, generator=g, dtype=torch.float64)
 
+    kept = []
+
     def run(x, i, w, a, b, exchange):       # a budget that holds every routing
         budget = budget_rows(world * T, K, E, capacity_factor=float(world),
                              world_size=world if exchange is not None else 1)
         permuted, counts, handle = dispatch(x, i, w, E, budget=budget, exchange=exchange)
-        y = expert_mlp(permuted, a, b, counts, gated=True)
+        if exchange is not None:
+            kept.append("tokens" if handle.regathers else "rows")
+            assert handle.regathers == (world * T < budget), (world * T, budget)
+            assert handle.source.shape[0] == (world * T if handle.regathers else T)
+        y = expert_mlp(permuted, a, b, counts, gated=True, handle=handle)
         return combine(y, handle, weighted=True)
 
     def leaves(*ts):
@@ -92,4 +110,4 @@ def weighted_case(rank: int, world: int, device: torch.device, dtype) -> str:
         assert scale > 1e-3, f"reference gradient of {name} is ~0"
         err = (got - want).abs().max().item()
         assert err <= GRAD_TOLERANCE[dtype] * scale, f"{name}: {err:.3g} of {scale:.3g}"
-    return "equal"
+    return kept[0]

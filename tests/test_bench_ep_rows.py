@@ -491,7 +491,8 @@ def test_bench_moe_ep_four_gloo_ranks_reports_every_row(tmp_path, routing):
                          "balanced routing only"}, local
         assert all(r["vs_no_exchange"] is None for r in results.values()), results
     kinds = {"eager peer": "all_to_all (plain peer)", "nccl chunks": "nccl chunks",
-             "live rows + resend": "live rows over gloo, resent"}
+             "live rows + resend": "live rows over gloo, resent",
+             "gathered tokens": "gathered tokens", "gathered tokens + resend": "gathered tokens"}
     for row, r in results.items():
         assert "error" not in r, (row, r)
         assert r["exchange"] == kinds.get(row, "live rows over gloo"), (row, r)

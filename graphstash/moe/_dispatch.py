@@ -89,7 +89,8 @@ class DispatchHandle:
     ``live_rows`` (int32 ``[1]``, device) is the number of rows in use at the top of the
     permuted buffer: the ``num_tokens`` to give ``stash_activations``. ``over_budget`` (bool
     ``[1]``, device) says whether this dispatch dropped rows. ``source`` is the ``[num_tokens,
-    hidden]`` tokens that were dispatched (what :meth:`regather` gathers again);
+    hidden]`` tokens that were dispatched, or what the exchange keeps instead to take the rows
+    from (NOTE [row exchange]): what :meth:`regather` gathers again;
     ``kernels`` the backend the dispatch chose (NOTE [moe kernels] in ``backend.py``).
     """
     plan: RoutingPlan
@@ -124,12 +125,19 @@ class DispatchHandle:
     def regathers(self) -> bool:
         """Whether :meth:`regather` can give the permuted rows again: on one device (a
         gather), or through an exchange that resends them (NOTE [resent rows] in
-        ``graphstash/moe/exchange/live.py``)."""
-        return self.local or bool(getattr(self.exchange, "resend", False))
+        ``graphstash/moe/exchange/live.py``) or takes them from what it kept (NOTE [row
+        exchange])."""
+        if self.local:
+            return True
+        decides = getattr(self.exchange, "regathers", None)
+        if decides is not None:
+            return bool(decides(self.plan))
+        return bool(getattr(self.exchange, "resend", False))
 
     def regather(self, source: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The permuted rows of ``source`` (``[num_tokens, hidden]``, the dispatched tokens,
-        on their device, in their dtype), as the dispatch computed them, without autograd: one
+        """The permuted rows of ``source`` (the handle's ``source``: ``[num_tokens, hidden]``,
+        the dispatched tokens, or what the exchange kept instead, on their device, in their
+        dtype), as the dispatch computed them, without autograd: one
         gather on one device; under expert parallelism, the exchange's resend, a collective
         (NOTE [resent rows]), written into ``out`` (``[budget_rows, hidden]``, source's dtype
         and device) when given. Other expert-parallel dispatches: refused."""
@@ -353,6 +361,10 @@ class RowExchange(Protocol):
     can push a dispatch's rows again in backward (NOTE [resent rows] in
     ``graphstash/moe/exchange/live.py``) says so with ``resend`` True and does it in
     ``resend_rows(x, plan, kernels, out)``; without it, the experts keep what arrived. One
+    that decides per dispatch gives ``regathers(plan)``, and one that takes the rows again
+    from something of its own rather than the tokens gives it from ``regather_source(x,
+    plan)`` (the dispatch's handle keeps that as its ``source`` and passes it to
+    ``resend_rows``; NOTE [gathered tokens] in ``graphstash/moe/exchange/gathered.py``). One
     that can run its backward pushes beside the experts' GEMMs (NOTE [exchange beside the
     experts] in ``graphstash/moe/exchange/overlap.py``) gives what runs them from
     ``beside()`` (None when it does not) and pushes the input gradients home early in
@@ -743,12 +755,13 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                                       pad_multiple, local)):
         _warn_over_budget(plan, budget)
     permuted, weights = exchange.dispatch_rows(x, topk_weight, plan, kernels)
+    own_source = getattr(exchange, "regather_source", None)      # NOTE [row exchange]
     handle = DispatchHandle(plan=plan, topk_weight=topk_weight, num_experts=num_experts,
                             hidden=x.shape[1], dtype=x.dtype, device=x.device,
-                            kernels=kernels, source=x, exchange=exchange,
-                            exchanged_weights=weights)
+                            kernels=kernels, exchange=exchange, exchanged_weights=weights,
+                            source=x if own_source is None else own_source(x, plan))
     if handle.regathers:         # NOTE [regathered input] in mlp.py, NOTE [resent rows]
-        handle.source_version = _version(x)
+        handle.source_version = _version(handle.source)
         handle.permuted_ref = weakref.ref(permuted)
         handle.permuted_version = _version(permuted)
         handle.counts_version = _version(plan.tokens_per_expert)

@@ -27,10 +27,20 @@ output is zero. Sums: each token's output is the sum over ranks of the sum over 
 experts, so in bfloat16 it is rounded once per rank where one device rounds once: within
 the rounding of a bfloat16 sum of ``W`` terms of the one-device output.
 
+What the experts keep for their first GEMM's weight gradient: the rows are a gather of the
+``[W * T, H]`` gathered tokens along the local plan, as on one device, so where the gathered
+tokens have fewer rows than the budget (``W * T < budget_rows``: at top-8 with capacity
+factor 1.25, up to nine ranks) the experts keep those tokens and take their rows from them
+again in backward (NOTE [regathered input] in ``graphstash/moe/mlp.py``), with no
+collective; otherwise they keep the ``[budget, H]`` rows. At qwen3-30b-a3b widths over four
+ranks that is 128 MiB a layer kept where the rows were 320 (and 1280 once skew grew the
+budget to the worst case); at mixtral-8x7b widths (top-2) over four ranks the rows are the
+smaller and stay kept. Each rank decides for its own plan (in dropless reruns the budget is
+each rank's own demand); no rank waits on another for it.
+
 With ``resend=True`` the experts' backward gathers the tokens again (one more
-``all_gather`` of ``[T, H]``) and takes their rows from them, as one device regathers
-(NOTE [regathered input] in ``graphstash/moe/mlp.py``), instead of keeping the
-``[budget, H]`` rows the forward gathered.
+``all_gather`` of ``[T, H]``) and takes their rows from them: only the ``[T, H]`` tokens are
+kept, which the router keeps anyway, at the price of one collective a layer in backward.
 """
 from __future__ import annotations
 
@@ -53,11 +63,17 @@ _ONE_DEVICE = OneDevice()
 class GatheredPlan:
     """One dispatch through :class:`GatheredTokens`: ``local`` is the one-device plan of the
     group's ``[W * T]`` gathered tokens over this rank's experts (its counts, budget and
-    flags are this rank's); ``num_tokens`` is this rank's ``T``."""
+    flags are this rank's); ``num_tokens`` is this rank's ``T``. ``keeps_tokens``: the
+    experts keep the gathered tokens (fewer rows than the budget) and take their rows from
+    them again in backward (NOTE [gathered tokens]); ``kept_tokens`` holds them from the
+    dispatch until :meth:`GatheredTokens.regather_source` hands them to the dispatch's
+    handle."""
     num_tokens: int
     topk: int
     num_experts: int
     local: RoutingPlan
+    keeps_tokens: bool = False
+    kept_tokens: torch.Tensor | None = None
 
     @property
     def budget_rows(self) -> int:
@@ -185,12 +201,15 @@ class GatheredTokens:
             if budget is not None:
                 raise_flag(status, L.SS_OVER_BUDGET, local.over_budget)
                 raise_flag(status, L.SS_OVERFLOW, bad.to(torch.int32) * L.OVERFLOW_COUNT)
-        return GatheredPlan(num_tokens=T, topk=K, num_experts=num_experts, local=local)
+        return GatheredPlan(num_tokens=T, topk=K, num_experts=num_experts, local=local,
+                            keeps_tokens=not self.resend and W * T < local.budget_rows)
 
     def dispatch_rows(self, x, topk_weight, plan: GatheredPlan, kernels):
         """``(permuted [R, H], row weights [R])`` of this rank's experts, from the group's
         gathered tokens; differentiable in ``x`` ``[T, H]`` and ``topk_weight`` ``[T, K]``."""
         xs = _Gather.apply(x, self.group, self.world_size)
+        if plan.keeps_tokens:
+            plan.kept_tokens = xs
         permuted, _ = _ONE_DEVICE.dispatch_rows(xs, None, plan.local, kernels)
         weights = _Gather.apply(topk_weight, self.group, self.world_size)
         return permuted, _ONE_DEVICE.permuted_weights(weights, plan.local, kernels)
@@ -205,11 +224,28 @@ class GatheredTokens:
         partial = _ONE_DEVICE.combine_rows(y, weights, plan.local, kernels)
         return _SumBack.apply(partial, self.group, self.world_size)
 
-    def resend_rows(self, x, plan: GatheredPlan, kernels, out=None):
-        """The permuted rows ``[R, H]`` taken again from the group's tokens ``x`` (``[T, H]``,
-        the very tokens dispatched, unchanged since): one more gather, a collective, without
-        autograd; into ``out`` when given."""
+    def regathers(self, plan: GatheredPlan) -> bool:
+        """Whether the experts of ``plan``'s dispatch take their rows again in backward
+        (:meth:`resend_rows`) instead of keeping them."""
+        return self.resend or plan.keeps_tokens
+
+    def regather_source(self, x: torch.Tensor, plan: GatheredPlan) -> torch.Tensor:
+        """What the experts keep to take their rows from again: the ``[W * T, H]``
+        gathered tokens where ``plan`` keeps them (handed over once: the plan holds them no
+        longer), else this rank's tokens ``x`` (``[T, H]``)."""
+        kept, plan.kept_tokens = plan.kept_tokens, None
+        return x if kept is None else kept
+
+    def resend_rows(self, source, plan: GatheredPlan, kernels, out=None):
+        """The permuted rows ``[R, H]`` taken again, without autograd, into ``out`` when
+        given, from ``source``, unchanged since the dispatch: the ``[W * T, H]`` gathered
+        tokens where ``plan`` keeps them (a gather on this rank), else this rank's ``[T, H]``
+        tokens, gathered again first (a collective)."""
         with torch.no_grad():
-            rows, _ = _ONE_DEVICE.dispatch_rows(_gather(x, self.group, self.world_size), None,
-                                                plan.local, kernels)
+            if not plan.keeps_tokens:
+                source = _gather(source, self.group, self.world_size)
+            elif source.shape[0] != self.world_size * plan.num_tokens:
+                raise ValueError(f"source: expected the {self.world_size * plan.num_tokens} "
+                                 f"gathered tokens this plan keeps, got {source.shape[0]} rows")
+            rows, _ = _ONE_DEVICE.dispatch_rows(source, None, plan.local, kernels)
         return rows if out is None else out.copy_(rows)
