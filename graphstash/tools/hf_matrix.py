@@ -6,7 +6,7 @@ float32 on the CPU, once with transformers' default experts implementation and o
 ``experts_implementation="graphstash"`` on the same weights; both run forward and backward on
 the same tokens, with a loss that reaches every parameter (a fixed random projection of the
 output), then one SGD step (no parameter moves by more than 5e-4) and a second forward. A family *matches* when the outputs, the
-expert gradients and the outputs after the step agree within 1e-5 relative to their scale and
+expert gradients and the outputs after the step agree within 3e-5 relative to their scale and
 the experts' share of the output is large (the output without the experts differs from it by
 more than :data:`MIN_SHARE` of its scale). ``--write`` writes the table to
 ``docs/hf-compatibility.md``; ``--family`` checks some families only.
@@ -24,7 +24,7 @@ from . import hf_families
 
 __all__ = ["MIN_SHARE", "RTOL", "Row", "check", "main", "markdown"]
 
-RTOL = 1e-5
+RTOL = 3e-5            # float32 rounding in other orders (docs/hf-compatibility.md)
 MIN_SHARE = 0.05
 _STEP = 5e-4            # the SGD step moves no parameter by more than this
 _DOC = Path(__file__).resolve().parents[2] / "docs" / "hf-compatibility.md"
@@ -184,7 +184,10 @@ default experts implementation and with graphstash's on the same weights: the la
 relative error of the output, of the expert gradients (a loss that is a fixed random
 projection of the output) and of the output after one SGD step, and the experts' share of the
 output (how far the output moves when the experts' output is zeroed). A family matches when
-the three errors are at most 1e-5 and the share is above 0.05.
+the three errors are at most 3e-5 and the share is above 0.05. (Both implementations round in
+float32, in other orders: Gemma-4's expert gradients differ by 6.5e-6 on one CPU and 1.12e-5
+on another, transformers 5.24 and 5.17; so 1e-5 failed where nothing was wrong. The experts'
+output rounded to bfloat16, a defect this must catch, is off by 2e-3 (Qwen3-MoE) to 2e-2.)
 
 Regenerate with `python -m graphstash.tools.hf_matrix --write`; the test is
 `tests/test_hf_matrix.py`.
