@@ -14,6 +14,30 @@ def _gpu_skip_reason() -> str | None:
     return None if ok else f"needs the CuPy kernels: {why}"
 
 
+def pytest_configure(config):
+    """With ``GS_SPREAD_GPUS=N`` (scripts/gpu_suite.sh), each pytest-xdist worker sees one of
+    N GPUs (``_spread.spread_gpu``), set before anything in it starts CUDA; the multi-GPU
+    tests then skip, and run in a pass of their own with every GPU visible."""
+    import os
+
+    text = os.environ.get("GS_SPREAD_GPUS", "").strip()
+    if not text:
+        return
+    from _spread import spread_gpu
+
+    try:
+        gpus = int(text)
+    except ValueError:
+        raise pytest.UsageError(f"GS_SPREAD_GPUS: expected an int, got {text!r}") from None
+    try:
+        mine = spread_gpu(os.environ.get("PYTEST_XDIST_WORKER", ""), gpus,
+                          os.environ.get("CUDA_VISIBLE_DEVICES"))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    if mine is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = mine
+
+
 def pytest_collection_modifyitems(config, items):
     reason = _gpu_skip_reason()
     multi = torch.cuda.device_count() >= 2
