@@ -102,7 +102,38 @@ def test_the_json_says_where_it_came_from(quiet_run):
     assert meta["command"].startswith("graphstash bench moe --device cpu --hidden 32")
     assert meta["gpu_count"] == len(meta["gpus"])
     assert re.fullmatch(r"[0-9a-f]{40}(\+changes)?", meta["commit"] or ""), meta["commit"]
+    from graphstash.tools import provenance
+
+    assert meta["sources"] == provenance.source_digest(), meta["sources"]
+    assert re.fullmatch(r"[0-9a-f]{12}", meta["sources"] or ""), meta["sources"]
     assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", meta["time"])
+
+
+def test_the_source_digest_follows_the_sources_and_nothing_else(tmp_path):
+    """NOTE [source digest]: one byte of a source, or a source renamed, changes the digest;
+    caches and built objects beside them do not, nor the order the roots are given in."""
+    from graphstash.tools.provenance import source_digest
+
+    pkg, kernels = tmp_path / "pkg", tmp_path / "kernels"
+    (pkg / "sub").mkdir(parents=True)
+    kernels.mkdir()
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    (kernels / "k.cu").write_text("__global__ void k() {}\n")
+    roots = [str(pkg), str(kernels)]
+    first = source_digest(roots)
+    assert re.fullmatch(r"[0-9a-f]{12}", first) and source_digest(roots[::-1]) == first
+    (pkg / "__pycache__").mkdir()
+    (pkg / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    (kernels / "k.so").write_bytes(b"\0")
+    assert source_digest(roots) == first
+    (pkg / "a.py").write_text("x = 2\n")
+    assert source_digest(roots) != first
+    (pkg / "a.py").write_text("x = 1\n")
+    assert source_digest(roots) == first
+    (pkg / "sub" / "b.py").rename(pkg / "b.py")
+    assert source_digest(roots) != first
+    assert source_digest([str(pkg), str(tmp_path / "missing")]) is None
 
 
 def _medians(tree, where=""):

@@ -5,14 +5,23 @@ every Markdown table of the ``graphstash`` command.
 starting any work on a GPU: the versions of graphstash, Python, torch, CuPy (its installed
 distribution), CUDA (torch's build) and the NVIDIA driver (``nvidia-smi``, where there is one),
 the GPUs torch sees (count and names), the command line, the git commit of the checkout
-graphstash runs from (``+changes`` when its tree differs from that commit) and the time (UTC).
-Anything that cannot be read is None.
+graphstash runs from (``+changes`` when its tree differs from that commit), a digest of the
+sources that ran (:func:`source_digest`) and the time (UTC). Anything that cannot be read is
+None.
+
+NOTE [source digest]: the commit says which code ran only where git's view of the tree is
+right; a tree copied onto another machine without its ``.git`` (or with a stale one) names a
+commit it is not, and ``+changes`` cannot see that: on four H200, benches of a newer tree
+printed the older commit their copy's ``.git`` held. The digest is computed from the files
+themselves (every ``.py`` of ``graphstash``, every source of ``raw_kernels``), so two runs
+with the same digest ran the same code; ``python -m graphstash.tools.provenance`` prints the
+digest of a checkout, to match a figure to a commit.
 
 Example::
 
     meta = provenance.collect(["bench", "moe", "--quick"])
     print(provenance.line(meta))
-    # graphstash 0.1.0 (commit 1a2b3c4d5e6f), torch 2.13.0, CUDA none, no GPU; ...
+    # graphstash 0.1.0 (commit 1a2b3c4d5e6f, sources 0f1e2d3c4b5a), torch 2.13.0, ...
 """
 from __future__ import annotations
 
@@ -54,6 +63,44 @@ def git_commit(directory: str | None = None) -> str | None:
     return commit + ("+changes" if changed else "")
 
 
+_SOURCE_SUFFIXES = (".py", ".cu", ".cuh", ".h")
+
+
+def source_digest(roots: list | None = None) -> str | None:
+    """The first 12 hex digits of SHA-256 over the source files under ``roots`` (default:
+    the ``graphstash`` and ``raw_kernels`` packages that are imported), each as its path
+    relative to its root's parent and its bytes, in path order; files whose suffix is not a
+    source's (``__pycache__``, built objects) are left out (NOTE [source digest]). None when
+    a root cannot be read."""
+    import hashlib
+
+    if roots is None:
+        import graphstash
+        import raw_kernels
+
+        roots = [os.path.dirname(os.path.abspath(m.__file__)) for m in (graphstash, raw_kernels)]
+    files = []
+    try:
+        for root in roots:
+            if not os.path.isdir(root):
+                return None
+            base = os.path.dirname(os.path.abspath(root))
+            for where, dirs, names in os.walk(root):
+                dirs[:] = [d for d in dirs if d != "__pycache__"]
+                files += [(os.path.relpath(os.path.join(where, n), base).replace(os.sep, "/"),
+                           os.path.join(where, n)) for n in names
+                          if n.endswith(_SOURCE_SUFFIXES)]
+        digest = hashlib.sha256()
+        for rel, path in sorted(files):
+            with open(path, "rb") as f:
+                data = f.read()
+            digest.update(f"{rel}\0{len(data)}\0".encode())
+            digest.update(data)
+    except OSError:
+        return None
+    return digest.hexdigest()[:12]
+
+
 def cupy_version() -> str | None:
     """The version of the installed CuPy distribution (``cupy-cuda12x``, ...), read from its
     metadata: CuPy itself is not imported here."""
@@ -88,6 +135,7 @@ def collect(argv: list | None = None) -> dict:
     names = gpus()
     command = None if argv is None else shlex.join([PROGRAM, *map(str, argv)])
     return {"graphstash": graphstash.__version__, "commit": git_commit(),
+            "sources": source_digest(),
             "python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "cupy": cupy_version(),
             "driver": driver_version() if names else None,
@@ -102,7 +150,10 @@ def line(meta: dict) -> str:
     commit = ""
     if meta.get("commit"):
         base, plus, changes = meta["commit"].partition("+")
-        commit = f" (commit {base[:12]}{plus}{changes})"
+        commit = f" (commit {base[:12]}{plus}{changes}"
+    if meta.get("sources"):
+        commit = (commit + ", " if commit else " (") + f"sources {meta['sources']}"
+    commit += ")" if commit else ""
     if meta.get("gpus"):
         counts: dict = {}
         for name in meta["gpus"]:
@@ -117,3 +168,7 @@ def line(meta: dict) -> str:
     if meta.get("command"):
         text += f"; `{meta['command']}`"
     return f"{text}; {meta['time']}"
+
+
+if __name__ == "__main__":         # the digest of the sources importable here, and their commit
+    print(f"sources {source_digest()} commit {git_commit()}")
