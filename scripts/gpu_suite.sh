@@ -18,16 +18,19 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export GS_FAILURE_LOG="${GS_FAILURE_LOG:-$PWD/gpu_suite_failures.log}"
 python3 -c "import xdist" 2>/dev/null || {
     echo "gpu_suite.sh: needs pytest-xdist (pip install pytest-xdist)" >&2; exit 2; }
-gpus=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
-case "$gpus" in ''|*[!0-9]*) echo "gpu_suite.sh: could not count the GPUs ($gpus)" >&2; exit 2 ;; esac
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+case "$gpus" in
+    ''|*[!0-9]*) echo "gpu_suite.sh: could not count the GPUs ($gpus)" >&2; exit 2 ;;
+esac
 if [ "$gpus" -lt 2 ]; then
     exec python3 -m pytest -m "gpu or not gpu" -n "${WORKERS:-4}" "$@" tests
 fi
-multi=$(grep -l -E "^from _world import|^    from _world import|pytest\.mark\.multigpu" tests/test_*.py)
+multi=$(grep -l -E "^ *from _world import|pytest\.mark\.multigpu" tests/test_*.py)
 single=$(ls tests/test_*.py | grep -v -x -F "$multi")
-echo "pass 1: $(echo "$single" | wc -l) files over $gpus GPUs; pass 2: $(echo "$multi" | wc -l) files"
-GS_SPREAD_GPUS=$gpus python3 -m pytest -m "gpu or not gpu" -n "${WORKERS:-$((gpus * 4))}" \
-    "$@" $single
+echo "pass 1: $(echo "$single" | wc -l) files over $gpus GPUs;" \
+     "pass 2: $(echo "$multi" | wc -l) files"
+GS_SPREAD_GPUS=$gpus python3 -m pytest -m "gpu or not gpu" \
+    -n "${WORKERS:-$((gpus * 4))}" "$@" $single
 first=$?
 python3 -m pytest -m "gpu or not gpu" -n "${MULTI_WORKERS:-2}" "$@" $multi
 second=$?

@@ -48,7 +48,8 @@ def model_case(rank: int, world: int, device: torch.device, dtypes, **over) -> d
     kept = [n for n in saved_row_counts(models["gathered"], xs[rank]) if n != T]
     assert len(kept) == config.layers and max(kept) <= world * T, kept
     if not is_dropless():     # the budget is at least twice the gathered tokens
-        assert config.capacity_factor * config.topk >= 2 * world and kept == [world * T] * config.layers
+        assert config.capacity_factor * config.topk >= 2 * world
+        assert kept == [world * T] * config.layers, kept
     assert set(saved_row_counts(models["gathered, resent"], xs[rank])) == {T}
     return {"kinds": kinds}
 
