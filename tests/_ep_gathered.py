@@ -16,14 +16,21 @@ from _ep_default import (GRAD_TOLERANCE, TOLERANCE, T, check_grads, config_for,
 from graphstash.models import MoEModel
 
 
-def model_case(rank: int, world: int, device: torch.device, dtypes, **over) -> dict:
+def model_case(rank: int, world: int, device: torch.device, dtypes, auto: bool = False,
+               **over) -> dict:
     """For each dtype (the models are moved to each in turn): outputs and every gradient of
     the gathered-token model, kept and regathered (``resend_rows``), equal the one-device
     reference's. What each keeps beside the tokens: the regathered model nothing; the kept
     one, per layer, the ``[W * T, hidden]`` gathered tokens where they are fewer than its
     budget rows (every layer at ``capacity_factor=world``), else the rows (dropless, each
-    rank's own demand). ``over``: config fields (routing, budget)."""
-    config = dataclasses.replace(config_for(world, **over), exchange_kind="gathered tokens")
+    rank's own demand). ``over``: config fields (routing, budget). ``auto``: the config names
+    no exchange (README's default, NOTE [auto exchange]) and routes each token to ``world +
+    1`` experts, so the default picks the gathered tokens."""
+    if auto:
+        config = config_for(world, **{"topk": world + 1, **over})
+        assert config.exchange_kind == "auto"
+    else:
+        config = dataclasses.replace(config_for(world, **over), exchange_kind="gathered tokens")
     group = dist.group.WORLD
     configs = {"gathered": config,
                "gathered, resent": dataclasses.replace(config, resend_rows=True)}

@@ -453,7 +453,7 @@ def _ep_case(rank, world, device, seed):
     # experts]: beside the GEMMs by default on a GPU, in line on the CPU)
     other = {"overlap_sms": 0 if device.type == "cuda" else 1}
     gathered = {"exchange_kind": "gathered tokens"}      # NOTE [gathered tokens]
-    with pytest.raises(ValueError, match="exchange_kind: expected 'live rows' or 'gathered"):
+    with pytest.raises(ValueError, match="exchange_kind: expected 'auto', 'live rows' or"):
         gst.configure(twin(ref, gst.IMPLEMENTATION), group=dist.group.WORLD,
                       exchange_kind="gathered")
     with pytest.raises(ValueError, match="exchange_kind: 'gathered tokens' runs over the group"):

@@ -35,7 +35,9 @@ def _entry(rank: int, world: int, tmp: str, case: str = "default") -> None:
                 result = default_path_case(rank, world, device, (torch.float32, torch.bfloat16))
             else:                       # NOTE [gathered tokens]: NCCL's all-gather, captured
                 result = (model_case(rank, world, device, (torch.float32, torch.bfloat16)),
-                          weighted_case(rank, world, device, torch.float32))
+                          weighted_case(rank, world, device, torch.float32),
+                          # README's default at top-K above the ranks (NOTE [auto exchange])
+                          model_case(rank, world, device, (torch.bfloat16,), auto=True))
         finally:
             dist.destroy_process_group()
         with open(path, "w") as f:
@@ -68,6 +70,8 @@ def test_default_path_on_gpus():
 def test_gathered_tokens_on_gpus():
     """``exchange_kind="gathered tokens"`` over NCCL, float32 and bfloat16, kept and
     regathered, and a weighted combine: equal to the one-device reference
-    (tests/_ep_gathered.py)."""
+    (tests/_ep_gathered.py); and README's default at top-K above the ranks, which picks them
+    (NOTE [auto exchange])."""
     for t in _run("gathered"):
         assert "['tokens', 'rows']" in t and "gathered tokens" in t, t
+        assert "[['gathered tokens', 'gathered tokens, resent']]" in t, t

@@ -1,7 +1,8 @@
 """Gathered tokens on gloo ranks (tests/_ep_gathered.py): ``MoEModel`` with
 ``exchange_kind="gathered tokens"`` as README shows it, built then moved, kept and regathered,
 and the dispatch API with a weighted combine, against the one-device reference; two ranks,
-four under ``slow``. Misuse is refused naming the argument."""
+four under ``slow``. README's default picks them where top-K is above the ranks (NOTE [auto
+exchange]). Misuse is refused naming the argument."""
 from __future__ import annotations
 
 import pytest
@@ -45,6 +46,41 @@ def _four_ranks(rank: int, world: int) -> dict:
 @pytest.mark.slow
 def test_gathered_model_four_gloo_ranks():
     assert len(run_ranks(_four_ranks, 4)) == 4
+
+
+def _auto_rank(rank: int, world: int) -> dict:
+    """README's ``MoEModel(config, group=g)`` at top-K above the ranks (NOTE [auto
+    exchange]): the gathered tokens, equal to the reference (tests/_ep_gathered.py); the
+    live rows where ``overlap_sms`` or ``exchange_kind="live rows"`` asks for them, and
+    for tokens on a GPU of this gloo group (ranks sharing one GPU)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from _ep_default import config_for
+    from graphstash.models import MoEModel
+    from graphstash.moe.exchange import collectives_run
+
+    group = dist.group.WORLD
+    config = config_for(world, topk=world + 1)
+    model = MoEModel(config, group=group)
+    assert model.exchange_kind == "gathered tokens or live rows (chosen at the first forward)"
+    kinds = {}
+    for what, over in (("overlap_sms", dict(overlap_sms=1)),
+                       ("live rows", dict(exchange_kind="live rows"))):
+        m = MoEModel(dataclasses.replace(config, **over), group=group)
+        m(torch.randn(config.num_tokens, config.hidden))
+        kinds[what] = m.exchange_kind
+    assert collectives_run(group, torch.device("cpu"))
+    assert not collectives_run(group, torch.device("cuda"))     # gloo: the live rows' IPC
+    return {**model_case(rank, world, torch.device("cpu"), (torch.float64,), auto=True),
+            **kinds}
+
+
+def test_readme_default_gathers_where_topk_is_above_the_ranks():
+    want = {"kinds": [["gathered tokens", "gathered tokens, resent"]],
+            "overlap_sms": "live rows over gloo", "live rows": "live rows over gloo"}
+    assert run_ranks(_auto_rank, 2) == [str(want)] * 2
 
 
 def _weighted_rank(rank: int, world: int) -> str:

@@ -299,7 +299,7 @@ def _shard(module: nn.Module, name: str, group, world: int, rank: int) -> int:
 def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = True,
               group=None, exchange="auto", num_tokens: int | None = None,
               resend_rows: bool = False, overlap_sms: int | None = None,
-              exchange_kind: str = "live rows") -> list[str]:
+              exchange_kind: str = "auto") -> list[str]:
     """Set how the ``"graphstash"`` experts backend runs the experts of ``model``.
 
     Call it after ``model.set_experts_implementation("graphstash")`` (or loading with
@@ -318,8 +318,9 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
             state and ``state_dict()`` hold the slice. Tokens travel through
             the exchange (``exchange=``); every rank must pass the same number of tokens per step.
             The other parameters stay replicated: all-reduce their gradients as usual (DDP).
-        exchange: with ``group``, how tokens travel: ``"auto"`` builds the live-row exchange
-            at the first forward, where the model then runs, and again after a move
+        exchange: with ``group``, how tokens travel: ``"auto"`` runs the exchange
+            ``exchange_kind`` names, the live-row one built at the first forward, where the
+            model then runs, and again after a move
             (:class:`graphstash.moe.exchange.GroupExchange`, a collective every rank meets
             at that forward), or keeps NCCL's fixed chunks where none can be built; a
             :class:`~graphstash.moe.exchange.Transport` to use it; None for chunks.
@@ -336,10 +337,13 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
             push takes beside the experts' GEMMs (NOTE [exchange beside the experts] in
             ``graphstash/moe/exchange/overlap.py``); 0: none; None: the exchange's default.
         exchange_kind: with ``group`` and ``exchange="auto"``, ``"live rows"`` (each of a
-            token's rows pushed to its expert's rank) or ``"gathered tokens"`` (each token
+            token's rows pushed to its expert's rank), ``"gathered tokens"`` (each token
             sent once to every rank, its outputs summed back: NOTE [gathered tokens] in
             ``graphstash/moe/exchange/gathered.py``; ``resend_rows`` then gathers the tokens
-            again in backward).
+            again in backward) or ``"auto"`` (default): the gathered tokens where the model's
+            top-k is above the group's ranks and NCCL (gloo on the CPU) runs the tokens'
+            collectives, else the live rows (NOTE [auto exchange] in
+            ``graphstash/moe/exchange/factory.py``).
 
     Returns the names of the experts modules configured. Raises ValueError when ``model`` has no
     experts module, uses another experts implementation, or has experts the backend does not
@@ -382,10 +386,10 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
         raise TypeError(f"resend_rows: expected a bool, got {type(resend_rows).__name__}")
     if overlap_sms is not None:
         require_positive_int("overlap_sms", overlap_sms, allow_zero=True)
-    if exchange_kind not in ("live rows", "gathered tokens"):
-        raise ValueError(f"exchange_kind: expected 'live rows' or 'gathered tokens', got "
-                         f"{exchange_kind!r}")
-    if exchange_kind != "live rows" and world > 1 and exchange != "auto":
+    if exchange_kind not in ("auto", "live rows", "gathered tokens"):
+        raise ValueError(f"exchange_kind: expected 'auto', 'live rows' or 'gathered tokens', "
+                         f"got {exchange_kind!r}")
+    if exchange_kind == "gathered tokens" and world > 1 and exchange != "auto":
         raise ValueError(f"exchange_kind: {exchange_kind!r} runs over the group with "
                          f"exchange='auto'; got exchange={exchange!r}")
     if resend_rows and world > 1 and exchange is None:
@@ -404,7 +408,7 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
                                          overlap_sms=overlap_sms)
         elif exchange == "auto":
             row_exchange = _group_exchange(model, modules, capacity_factor, group, num_tokens,
-                                           budgets, resend_rows, overlap_sms)
+                                           budgets, resend_rows, overlap_sms, exchange_kind)
         elif exchange is None:
             row_exchange = make_exchange(group, kind="nccl chunks")
         elif isinstance(exchange, Transport):
@@ -427,10 +431,10 @@ def configure(model: nn.Module, capacity_factor: float = 1.25, stash: bool = Tru
 
 def _group_exchange(model: nn.Module, modules, capacity_factor: float, group,
                     num_tokens: int | None, budgets, resend_rows: bool,
-                    overlap_sms: int | None):
-    """The live-row exchange every experts module of ``model`` shares, built at the first
-    forward where the model then runs (NOTE [exchange built where it runs] in
-    ``graphstash/moe/exchange/factory.py``)."""
+                    overlap_sms: int | None, kind: str):
+    """The exchange every experts module of ``model`` shares (``kind``: ``"live rows"`` or
+    ``"auto"``), its live-row transport built at the first forward where the model then runs
+    (NOTE [exchange built where it runs] in ``graphstash/moe/exchange/factory.py``)."""
     from ..moe.exchange import make_exchange
 
     config = getattr(model, "config", None)
@@ -439,9 +443,10 @@ def _group_exchange(model: nn.Module, modules, capacity_factor: float, group,
         raise ValueError("model: its config names no num_experts_per_tok; pass exchange=None "
                          "(NCCL chunks) or a Transport built for it")
     E = max(m.num_experts for _, m in modules)
-    return make_exchange(group, topk=top_k, num_experts=E, capacity_factor=capacity_factor,
-                         num_tokens=num_tokens, owner="configure", budgets=budgets,
-                         resend=resend_rows, overlap_sms=overlap_sms)
+    return make_exchange(group, kind=kind, topk=top_k, num_experts=E,
+                         capacity_factor=capacity_factor, num_tokens=num_tokens,
+                         owner="configure", budgets=budgets, resend=resend_rows,
+                         overlap_sms=overlap_sms)
 
 
 def _warn_bincount_aux_loss(model: nn.Module) -> None:

@@ -31,7 +31,7 @@ from .plain import plain_moe
 from .routing import parse_routing, routing_bias
 
 MODES = ("dropless", "budget", "stash", "plain")
-EXCHANGE_KINDS = ("live rows", "gathered tokens")      # MoEConfig.exchange_kind
+EXCHANGE_KINDS = ("auto", "live rows", "gathered tokens")      # MoEConfig.exchange_kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +62,11 @@ class MoEConfig:
     # graphstash/moe/exchange/overlap.py)
     overlap_sms: int | None = None
     # expert parallel under a group (exchange="auto"): "live rows" (each of a token's rows
-    # pushed to its expert's rank) or "gathered tokens" (each token once to every rank, NOTE
-    # [gathered tokens] in graphstash/moe/exchange/gathered.py)
-    exchange_kind: str = "live rows"
+    # pushed to its expert's rank), "gathered tokens" (each token once to every rank, NOTE
+    # [gathered tokens] in graphstash/moe/exchange/gathered.py) or "auto": the gathered tokens
+    # where topk is above the ranks and NCCL (gloo on the CPU) runs them, else the live rows
+    # (NOTE [auto exchange] in graphstash/moe/exchange/factory.py)
+    exchange_kind: str = "auto"
 
     def __post_init__(self):
         for name in ("hidden", "ffn", "num_experts", "topk", "layers", "num_tokens", "heads",
@@ -220,11 +222,15 @@ class MoEModel(nn.Module):
         mode: ``"dropless"``, ``"budget"``, ``"stash"`` or ``"plain"`` (see the module
             docstring).
         group: ``torch.distributed`` group for expert parallelism (``None``: one device).
-        exchange: how tokens travel under ``group``: ``"auto"`` (default) builds the live-row
-            exchange's transport at the first forward, on the device and dtype the model then
-            has, and again after a move (:class:`graphstash.moe.exchange.GroupExchange`:
-            symmetric memory, CUDA IPC on one GPU, gloo on the CPU; a collective every rank
-            meets at that forward), and keeps NCCL's fixed chunks where none can be built; a
+        exchange: how tokens travel under ``group``: ``"auto"`` (default) runs the exchange
+            ``config.exchange_kind`` names; with its default, also ``"auto"``, that is the
+            gathered tokens where ``topk`` is above the group's ranks and NCCL (gloo on the
+            CPU) runs the tokens' collectives, else the live rows (NOTE [auto exchange] in
+            ``graphstash/moe/exchange/factory.py``). The live-row exchange's transport is built
+            at the first forward, on the device and dtype the model then has, and again after
+            a move (:class:`graphstash.moe.exchange.GroupExchange`: symmetric memory, CUDA IPC
+            on one GPU, gloo on the CPU; a collective every rank meets at that forward), and
+            NCCL's fixed chunks are kept where none can be built; a
             :class:`~graphstash.moe.exchange.Transport` to use that one (its ranks are the
             model's; ``group`` may then be None, as for in-process ranks); None for the
             chunks. :attr:`exchange_kind` says which runs. With ``config.resend_rows`` the
@@ -316,7 +322,7 @@ class MoEModel(nn.Module):
                              "(NOTE [resent rows]); NCCL's chunks and the plain peer keep what "
                              "arrived: pass exchange='auto' or a Transport with a mode other "
                              "than 'plain', or resend_rows=False")
-        if config.exchange_kind != "live rows" and world > 1 and exchange != "auto":
+        if config.exchange_kind == "gathered tokens" and world > 1 and exchange != "auto":
             raise ValueError(f"config.exchange_kind: {config.exchange_kind!r} runs over the "
                              f"group with exchange='auto'; got exchange={exchange!r}")
         if exchange not in (None, "auto"):

@@ -20,7 +20,7 @@ Nothing here touches the GPU at import time.
 from .. import register_transport_adapter
 from .autograd import exchange_combine, exchange_dispatch
 from .build import build_transport, describe_exchange, transport_kind
-from .factory import GroupExchange, make_exchange, receive_rows
+from .factory import GroupExchange, collectives_run, make_exchange, receive_rows
 from .gathered import GatheredPlan, GatheredTokens
 from .gloo import GlooTransport, build_gloo_transport
 from .ipc import build_ipc_transport
@@ -36,6 +36,7 @@ register_transport_adapter(Transport, LiveRows)
 __all__ = ["DEFAULT_TIMEOUT_S", "ExchangePlan", "GatheredPlan", "GatheredTokens", "GlooTransport", "GroupExchange", "LiveRows",
            "PeerTransport", "Transport",
            "build_gloo_transport", "build_ipc_transport", "build_local_transports",
-           "build_symmetric_transport", "build_transport", "describe_exchange", "exchange_combine",
+           "build_symmetric_transport", "build_transport", "collectives_run", "describe_exchange",
+           "exchange_combine",
            "exchange_dispatch", "make_exchange", "plan_exchange", "receive_rows",
            "transport_kind"]

@@ -15,6 +15,24 @@ forward, since every rank moves its model the same way). Building is refused whi
 graph captures: the first forward runs eagerly (graph_step's warmup does). Where no transport
 can be built (ranks on several hosts), it warns once and the dispatch sends NCCL's fixed
 chunks.
+
+NOTE [auto exchange]: which exchange moves a group's tokens when the user names none
+(``kind="auto"``, the default of :func:`make_exchange`, ``MoEConfig.exchange_kind`` and
+``configure(exchange_kind=)``). The live rows move each token once per expert it is routed
+to, about ``T x K x (W - 1) / W`` rows a rank in each direction; the gathered tokens (NOTE
+[gathered tokens] in ``gathered.py``) once per rank, ``T x (W - 1)``. Their ratio is
+``K / W``: at top-K above the ranks the gathered tokens move fewer bytes, and measured
+they win (docs/exchange.md, "Gathered tokens": qwen3-30b-a3b widths, top-8, on two and four
+H200, 1.90x and 1.88x the eager peer balanced against the live rows' 1.74x and 1.76x, and
+1.87x to 1.91x under every skewed routing against 1.51x to 1.52x, with less activation);
+at top-K at or below the ranks they move as many or more (mixtral-8x7b widths, top-2 over
+four ranks: 1.5x the bytes, and the live rows are faster). Nor does a dense gather overflow
+under skew: only the experts' own budget can, as on one GPU. So ``"auto"`` is the gathered
+tokens where ``topk > world_size`` and NCCL (CUDA tokens) or gloo (CPU tokens) runs the
+group's collectives, decided per device at the forward that brings the tokens
+(:meth:`GroupExchange.for_tokens`), and the live rows otherwise: ranks sharing one GPU,
+whose group is gloo and whose tokens are on the GPU, take the live rows over CUDA IPC; an
+``overlap_sms`` names the live rows' pushes, so it keeps them too.
 """
 from __future__ import annotations
 
@@ -30,7 +48,7 @@ from .gathered import GatheredTokens
 from .live import LiveRows
 from .transport import DEFAULT_TIMEOUT_S, Transport
 
-__all__ = ["GroupExchange", "KINDS", "make_exchange", "receive_rows"]
+__all__ = ["GroupExchange", "KINDS", "collectives_run", "make_exchange", "receive_rows"]
 
 
 def receive_rows(num_tokens: int, topk: int, num_experts: int, *, world_size: int,
@@ -48,10 +66,21 @@ def receive_rows(num_tokens: int, topk: int, num_experts: int, *, world_size: in
     return max(budget, num_tokens * topk)
 
 
-KINDS = ("live rows", "nccl chunks", "gathered tokens")
+KINDS = ("auto", "live rows", "nccl chunks", "gathered tokens")
 
 
-def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: int | None = None,
+def collectives_run(group, device: torch.device) -> bool:
+    """Whether ``group``'s collectives run on tensors of ``device`` inside a step: NCCL for
+    CUDA tensors, gloo for CPU ones (NOTE [auto exchange])."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if device.type == "cuda":
+        return "nccl" in backend
+    return device.type == "cpu" and "gloo" in backend
+
+
+def make_exchange(group=None, *, transport=None, kind: str = "auto", topk: int | None = None,
                   num_experts: int | None = None, capacity_factor: float = 1.25,
                   pad_multiple: int | None = None, num_tokens: int | None = None,
                   chunk_rows: int | None = None, owner: str = "make_exchange",
@@ -66,6 +95,9 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
       ``chunk_rows`` rows (None: the budget's);
     - ``group`` and ``kind="gathered tokens"``: :class:`GatheredTokens` (each token moved
       once per rank, NOTE [gathered tokens] in ``gathered.py``);
+    - ``group`` and ``kind="auto"`` (the default): a :class:`GroupExchange` that moves the
+      gathered tokens where ``topk`` is above the group's ranks and NCCL or gloo runs the
+      tokens' collectives, else the live rows (NOTE [auto exchange]);
     - ``group`` and ``kind="live rows"``: a :class:`GroupExchange`, which builds the live-row
       transport at the first forward, sized by :func:`receive_rows` from ``topk``,
       ``num_experts``, ``capacity_factor`` (or the largest factor of ``budgets``, a
@@ -86,7 +118,7 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
     if not isinstance(resend, bool):
         raise TypeError(f"resend: expected a bool, got {type(resend).__name__}")
     if transport is not None:
-        if kind != "live rows":
+        if kind not in ("auto", "live rows"):
             raise ValueError(f"kind: a transport carries live rows; got kind={kind!r} with "
                              "transport= (pass kind='live rows', or group= alone)")
         if group is not None and group is not transport.group:
@@ -131,7 +163,8 @@ def make_exchange(group=None, *, transport=None, kind: str = "live rows", topk: 
     return GroupExchange(group, topk=topk, num_experts=num_experts,
                          capacity_factor=capacity_factor, pad_multiple=pad_multiple,
                          num_tokens=num_tokens, owner=owner, timeout_s=timeout_s,
-                         budgets=budgets, resend=resend, overlap_sms=overlap_sms)
+                         budgets=budgets, resend=resend, overlap_sms=overlap_sms,
+                         gather=kind == "auto")
 
 
 class GroupExchange:
@@ -153,12 +186,17 @@ class GroupExchange:
             where no transport can be built, keep what arrived.
         overlap_sms: the live rows' ``overlap_sms`` (NOTE [exchange beside the experts] in
             ``overlap.py``), checked when their transport is built.
+        gather: move the gathered tokens instead (:class:`GatheredTokens`, with ``resend``)
+            for tokens whose collectives the group runs, where ``topk`` is above its ranks
+            and ``overlap_sms`` is None (NOTE [auto exchange]; :func:`make_exchange`'s
+            ``kind="auto"``).
     """
 
     def __init__(self, group, *, topk: int, num_experts: int, capacity_factor: float,
                  pad_multiple: int | None = None, num_tokens: int | None = None,
                  owner: str = "the exchange", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 budgets=None, resend: bool = False, overlap_sms: int | None = None):
+                 budgets=None, resend: bool = False, overlap_sms: int | None = None,
+                 gather: bool = False):
         import torch.distributed as dist
 
         require_positive_int("topk", topk)
@@ -184,6 +222,12 @@ class GroupExchange:
         if overlap_sms is not None:
             require_positive_int("overlap_sms", overlap_sms, allow_zero=True)
         self.overlap_sms = overlap_sms
+        if not isinstance(gather, bool):
+            raise TypeError(f"gather: expected a bool, got {type(gather).__name__}")
+        # NOTE [auto exchange]: the gathered tokens where they move fewer bytes
+        self._gathered = GatheredTokens(group, resend=resend) if gather and \
+            topk > self.world_size and overlap_sms is None else None
+        self._last = None                           # the exchange the last tokens took
         self._tokens: int | None = None             # the tokens the transport was sized for
         self.transport: Transport | None = None
         self._live: LiveRows | None = None
@@ -192,9 +236,15 @@ class GroupExchange:
 
     @property
     def kind(self) -> str:
-        """``"live rows over <transport>"`` (``", resent"`` after it with ``resend``),
-        ``"nccl chunks"`` where none could be built, or ``"live rows (built at the first
-        forward)"``."""
+        """``"gathered tokens"`` (``", resent"`` after it with ``resend``) where the last
+        tokens took them (NOTE [auto exchange]), ``"live rows over <transport>"`` (the same
+        suffix), ``"nccl chunks"`` where no transport could be built, or ``"live rows (built
+        at the first forward)"``, or ``"gathered tokens or live rows (chosen at the first
+        forward)"`` before any tokens where the gathered tokens may run."""
+        if self._last is not None and self._last is self._gathered:
+            return "gathered tokens" + (", resent" if self.resend else "")
+        if self._last is None and self._gathered is not None:
+            return "gathered tokens or live rows (chosen at the first forward)"
         if self.transport is not None:
             return f"live rows over {self.transport.kind}" + (", resent" if self.resend else "")
         if self._unavailable is not None:
@@ -258,7 +308,14 @@ class GroupExchange:
         """The exchange that moves tokens like ``x`` (``[T, hidden]``): the
         :class:`~graphstash.moe.exchange.LiveRows` over :meth:`transport_for` ``(x)``, or
         NCCL's budget-sized chunks where no transport can be built (NOTE [row exchange] in
-        ``graphstash/moe/_dispatch.py``: this makes a GroupExchange an ``exchange=``)."""
+        ``graphstash/moe/_dispatch.py``: this makes a GroupExchange an ``exchange=``); with
+        ``gather`` the :class:`GatheredTokens` where NOTE [auto exchange] picks them."""
+        self._last = self._exchange_for(x)
+        return self._last
+
+    def _exchange_for(self, x: torch.Tensor):
+        if self._gathered is not None and collectives_run(self.group, x.device):
+            return self._gathered
         transport = self.transport_for(x)
         if transport is None:
             if self._chunks is None:

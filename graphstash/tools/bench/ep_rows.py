@@ -31,7 +31,10 @@ ranks, and the buffers they land in, change:
 The budgets of the three ``live rows`` rows adapt to the routing (NOTE [adaptive
 budgets] in ``graphstash/moe/budgets.py``). Where the ranks have a process group and the
 transport is chosen automatically (torchrun), those rows run the model as README shows it,
-``MoEModel(config, group=g)``: the exchange is built at the first forward and built again,
+``MoEModel(config, group=g)``, with ``exchange_kind="live rows"`` (README's default,
+``"auto"``, is the ``gathered tokens`` row where top-K is above the ranks and these rows
+otherwise: NOTE [auto exchange] in ``graphstash/moe/exchange/factory.py``); the gathered rows
+run it the same way. The live-row exchange is built at the first forward and built again,
 larger, when a budget outgrows it; the flags and needs travel through the group. Elsewhere
 (ranks sharing one GPU, in-process ranks, a ``--transport`` named) the row is given its
 transport, sized by ``--capacity-factor``, whose region bounds how far a budget grows, and
@@ -147,13 +150,14 @@ def worst_case_config(config: MoEConfig, world_size: int) -> MoEConfig:
 def row_config(row: str, config: MoEConfig, world_size: int) -> MoEConfig:
     """The model configuration ``row`` runs: the worst-case budget for ``worst-case buffers``,
     NCCL chunks of the capacity factor for ``nccl chunks``, one rank's experts for ``no
-    exchange``, the rows resent for ``live rows + resend``, the gathered tokens'
-    ``exchange_kind`` for theirs, else ``config``."""
+    exchange``, the live rows' ``exchange_kind`` for theirs (resent for ``live rows +
+    resend``), the gathered tokens' for theirs, else ``config``."""
     if row in GATHERED_ROWS:
         return dataclasses.replace(config, exchange_kind="gathered tokens",
                                    resend_rows=row == "gathered tokens + resend")
-    if row == "live rows + resend":
-        return dataclasses.replace(config, resend_rows=True)
+    if row in BUILDS_OWN:              # the live rows, whatever NOTE [auto exchange] picks
+        return dataclasses.replace(config, exchange_kind="live rows",
+                                   resend_rows=row == "live rows + resend")
     if row == "worst-case buffers":
         return worst_case_config(config, world_size)
     if row == "no exchange":
