@@ -39,6 +39,23 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    """GPU tests skip where there is no GPU; with ``GS_SHARD=k/n`` (scripts/gpu_suite.sh) only
+    the k-th of n disjoint parts of the collected tests runs (``_spread.in_shard``), so a
+    suite longer than one run's time limit runs in n."""
+    import os
+
+    text = os.environ.get("GS_SHARD", "").strip()
+    if text:
+        from _spread import in_shard, parse_shard
+
+        try:
+            k, n = parse_shard(text)
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        gone = [item for item in items if not in_shard(item.nodeid, k, n)]
+        if gone:
+            config.hook.pytest_deselected(items=gone)
+            items[:] = [item for item in items if in_shard(item.nodeid, k, n)]
     reason = _gpu_skip_reason()
     multi = torch.cuda.device_count() >= 2
     for item in items:

@@ -45,3 +45,53 @@ def test_spread_refuses_what_the_machine_cannot_give(gpus, visible, message):
 
     with pytest.raises(ValueError, match=message):
         spread_gpu("gw0", gpus, visible)
+
+
+def test_shards_split_the_suite_into_disjoint_parts_that_cover_it():
+    from _spread import in_shard
+
+    ids = [f"tests/test_x.py::test_{i}[case{j}]" for i in range(40) for j in range(5)]
+    parts = [[t for t in ids if in_shard(t, k, 3)] for k in (1, 2, 3)]
+    assert sorted(sum(parts, [])) == sorted(ids)               # each test in exactly one part
+    assert all(len(p) > len(ids) // 6 for p in parts), [len(p) for p in parts]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("2", r"GS_SHARD: expected 'k/n' \(the k-th of n parts\), got '2'"),
+    ("0/3", r"GS_SHARD: expected 1 <= k <= n in 'k/n', got '0/3'"),
+    ("4/3", r"GS_SHARD: expected 1 <= k <= n in 'k/n', got '4/3'"),
+])
+def test_a_shard_that_is_not_a_part_is_refused(text, message):
+    from _spread import parse_shard
+
+    assert parse_shard(" 2/3 ") == (2, 3)
+    with pytest.raises(ValueError, match=message):
+        parse_shard(text)
+
+
+def test_a_shard_runs_its_part_of_the_collected_tests(tmp_path):
+    """``GS_SHARD=k/n`` in a pytest run: the parts of three runs are disjoint and cover the
+    file's tests."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "test_many.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('i', range(30))\ndef test_one(i):\n    pass\n")
+    conftest = os.path.join(os.path.dirname(__file__), "conftest.py")
+    (tmp_path / "conftest.py").write_text(open(conftest).read())
+    path = os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])
+
+    def run(shard: str):
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "test_many.py"], cwd=tmp_path, capture_output=True, text=True,
+                              env={**os.environ, "GS_SHARD": shard, "PYTHONPATH": path})
+
+    counts = []
+    for k in (1, 2, 3):
+        proc = run(f"{k}/3")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        counts.append(int(proc.stdout.split(" passed")[0].split()[-1]))
+    assert sum(counts) == 30 and all(c > 0 for c in counts), counts
+    proc = run("3")
+    assert proc.returncode != 0 and "GS_SHARD: expected 'k/n'" in proc.stdout + proc.stderr
