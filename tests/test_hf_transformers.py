@@ -477,6 +477,15 @@ def _ep_case(rank, world, device, seed):
         assert exchange.transport is not None and exchange.transport.device == device, \
             exchange.kind
         assert exchange.kind.endswith(", resent") == resend_rows, exchange.kind
+    # README's configure(model, group=g) at a top-k above the ranks: the gathered tokens
+    # where NCCL (gloo on the CPU) runs them (NOTE [auto exchange])
+    wide = tiny_model("qwen3_moe", seed, device=torch.device("cpu"), num_experts_per_tok=world + 1)
+    ours = twin(wide, gst.IMPLEMENTATION)
+    names = gst.configure(ours, capacity_factor=float(world), group=dist.group.WORLD)
+    wide.to(device)
+    ours.to(device)
+    _ep_compare(ours, wide, names, rank, world, device, seed)
+    assert gst.settings_of(ours.get_submodule(names[0])).exchange.kind == "gathered tokens"
 
 
 def _train_ep(ref, rank, world, *, factor, seed, steps, stash=None):
