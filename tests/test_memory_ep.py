@@ -35,6 +35,17 @@ def test_memory_over_two_ranks_reports_every_rank():
     rows = [line.split() for line in table[3:5]]
     assert [r[0] for r in rows] == ["0", "1"]
     assert all(float(r[1]) > float(r[2]) > 0 for r in rows)      # peak above activations
+    assert "exchange: live rows over gloo" in out                # top-2 over two ranks
+
+
+def test_memory_over_two_ranks_at_a_top_k_above_them_gathers_the_tokens():
+    """README's default at top-4 over two ranks (NOTE [auto exchange]), stashed and skewed:
+    the gathered tokens run, and the report says so."""
+    argv = ["memory", "--ep", "2", "--mode", "stash", "--layers", "3", "--topk", "4",
+            "--capacity-factor", "3.0", "--routing", "skew:1.5", "--device", "cpu"]
+    out, other = (ast.literal_eval(r) for r in run_ranks(_memory, 2, argv))
+    assert other == "", other
+    assert "exchange: gathered tokens" in out and "stash plan" in out, out
 
 
 def _memory_in_own_group(rank: int, world: int, store: str, argv: list) -> bool:

@@ -99,15 +99,16 @@ def test_keep_rows_equals_the_whole_budget_while_the_rows_fit_and_flags_when_not
 
 def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int, seed: int,
                             steps: int, route, probe=None, resend_rows: bool = False,
-                            overlap_sms: int | None = None):
+                            overlap_sms: int | None = None, topk: int = 2):
     """README's ``MoEModel(config, group=g)`` in stash mode (every group stashed) under
     graph_step, its experts trained on this rank's tokens, against the dropless model trained
     on every rank's; ``route(i, model, ref)`` sets both routings before step ``i``; ``probe()``,
     if given, runs inside the step function, after the backward; ``resend_rows`` and
     ``overlap_sms``: the config's (NOTE [resent rows], NOTE [exchange beside the experts]; on
-    the CPU 1 pushes the input gradients home from the experts' backward, in line). Checks the
-    experts end equal and returns the decorated step
-    (``.stats``, ``.stash_manager``)."""
+    the CPU 1 pushes the input gradients home from the experts' backward, in line); ``topk``
+    above the ranks: README's default moves the gathered tokens (NOTE [auto exchange]).
+    Checks the experts end equal and returns the decorated step (``.stats``,
+    ``.stash_manager``)."""
     import torch.distributed as dist
 
     import graphstash
@@ -117,7 +118,7 @@ def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int,
     from _exchange_cases import assert_trained_close, train_experts_only
 
     E = 4
-    config = MoEConfig(hidden=16, ffn=16, num_experts=E, topk=2, layers=3, num_tokens=tokens,
+    config = MoEConfig(hidden=16, ffn=16, num_experts=E, topk=topk, layers=3, num_tokens=tokens,
                        capacity_factor=float(world), pad_multiple=4, gated=True,
                        routing=routing)
     model = MoEModel(dataclasses.replace(config, resend_rows=resend_rows,
@@ -159,6 +160,8 @@ def _train_against_dropless(rank: int, world: int, *, routing: str, tokens: int,
     stats = train_step.stats
     assert stats.steps == steps, stats
     assert model.exchange_kind.endswith(", resent") == resend_rows, model.exchange_kind
+    want = "gathered tokens" if topk > world and overlap_sms is None else "live rows over"
+    assert model.exchange_kind.startswith(want), model.exchange_kind
     for i, (p, q) in enumerate(zip(experts, ref_experts)):
         assert q.grad.abs().max() > 1e-4, f"reference gradient {i} is ~0"
         assert_trained_close(p, q[rank * El:(rank + 1) * El], f"rank {rank} expert weight {i}")
@@ -217,6 +220,20 @@ def test_moe_model_stash_computes_on_the_kept_rows_and_trains_as_dropless(resend
         # measured at least once (every rank reran: the flags are summed over the ranks)
         assert report["kept"] >= 3, report
         assert report["every_rank_reran"] >= 1, report
+
+
+def _gathered_ranks(rank: int, world: int, resend_rows: bool) -> dict:
+    """Top-3 of 4 experts over two ranks, drifting: README's default gathers the tokens
+    (NOTE [auto exchange]); stashed, rerun where a step overflows, equal to dropless."""
+    stats = _train_against_dropless(rank, world, routing="drift:0.7:2", tokens=32, seed=13,
+                                    steps=8, route=_drift, resend_rows=resend_rows,
+                                    topk=3).stats
+    return {"steps": stats.steps}
+
+
+@pytest.mark.parametrize("resend_rows", [False, True], ids=["kept", "resent"])
+def test_moe_model_stash_with_the_gathered_tokens_trains_as_dropless(resend_rows):
+    assert run_ranks(_gathered_ranks, 2, resend_rows) == [str({"steps": 8})] * 2
 
 
 def _creep(i: int, model, ref) -> None:

@@ -104,8 +104,10 @@ def check_flags(args) -> torch.device:
 
 # NOTE [memory over ranks]: with --ep N every process of a torchrun launch is one rank of the
 # expert-parallel group and builds the model as README shows it, MoEModel(config, group=g)
-# (its exchange built at the first forward: symmetric memory on the GPUs of one host, gloo on
-# the CPU). Each rank records its own step (the allocator of its own process); rank 0 prints
+# (its exchange chosen and built at the first forward, NOTE [auto exchange] in
+# graphstash/moe/exchange/factory.py: the gathered tokens where top-K is above the ranks, else
+# the live rows over symmetric memory on the GPUs of one host, gloo on the CPU; the report
+# says which ran). Each rank records its own step (the allocator of its own process); rank 0 prints
 # its report, and a table of every rank's peak, activation peak and stash pool, since under
 # skewed routing the ranks receive different rows and the largest is what must fit.
 def ep_world(args, environ=None) -> int | None:
@@ -288,6 +290,8 @@ def run(args) -> int:
         per_rank = rank_figures(report, group)
         say()
         say(rank_table(per_rank, fmt))
+        # README's default picks the exchange (NOTE [auto exchange]): say which ran
+        say(f"exchange: {run_.model.exchange_kind}")
     if fmt == "md":
         say(f"\nsource: {provenance.line(provenance.collect(getattr(args, 'argv', None)))}")
     if args.plot and leader:
