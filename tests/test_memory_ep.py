@@ -46,6 +46,10 @@ def test_memory_over_two_ranks_at_a_top_k_above_them_gathers_the_tokens():
     out, other = (ast.literal_eval(r) for r in run_ranks(_memory, 2, argv))
     assert other == "", other
     assert "exchange: gathered tokens" in out and "stash plan" in out, out
+    # --exchange chooses instead
+    out, _ = (ast.literal_eval(r) for r in run_ranks(_memory, 2, argv + ["--exchange",
+                                                                         "live rows"]))
+    assert "exchange: live rows over gloo" in out, out
 
 
 def _memory_in_own_group(rank: int, world: int, store: str, argv: list) -> bool:

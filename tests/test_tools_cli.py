@@ -151,6 +151,7 @@ BAD_FLAGS = [
     (["memory", "--ep", "1"], "--ep: expected an int >= 2, got 1"),
     (["memory", "--ep", "2"], "--ep: expected to run as one of 2 processes of a torchrun launch"),
     (["memory", "--routing", "skew:x"], "--routing: "),
+    (["memory", "--exchange", "live rows"], "--exchange: chooses how expert-parallel ranks"),
     (["bench", "--json", "/missing/dir/r.json"], "--json: expected a file in an existing directory"),
     (["bench", "stash", "--plot", "{tmp}/a_file"], "--plot: expected a directory, got the file"),
 ]
@@ -188,6 +189,7 @@ def _the_one_error_line(capsys, argv) -> str:
 
 @pytest.mark.parametrize("argv, flag", [(["memory", "--mode", "fast"], "--mode"),
                                         (["memory", "--preset", "gpt-5"], "--preset"),
+                                        (["memory", "--exchange", "rows"], "--exchange"),
                                         (["bench", "hf", "--preset", "gpt-5"], "--preset"),
                                         (["bench", "moe", "--preset", "olmoe-1b-7b"],
                                          "--preset"),

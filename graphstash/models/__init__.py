@@ -5,8 +5,8 @@ expert MLP, combine) and :mod:`graphstash.stash`; :data:`PRESETS` holds configur
 layer widths of real models. Nothing here touches the GPU at import time.
 """
 from .expert_stack import ExpertStack, make_inputs
-from .moe import PRESETS, MoEConfig, MoEModel, preset
+from .moe import EXCHANGE_KINDS, PRESETS, MoEConfig, MoEModel, preset
 from .routing import Routing, parse_routing, routing_bias
 
-__all__ = ["PRESETS", "ExpertStack", "MoEConfig", "MoEModel", "Routing", "make_inputs",
+__all__ = ["EXCHANGE_KINDS", "PRESETS", "ExpertStack", "MoEConfig", "MoEModel", "Routing", "make_inputs",
            "parse_routing", "preset", "routing_bias"]

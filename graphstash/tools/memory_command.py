@@ -27,7 +27,7 @@ import os
 import torch
 
 from ..memory import profile
-from ..models import PRESETS, MoEConfig, preset
+from ..models import EXCHANGE_KINDS, PRESETS, MoEConfig, preset
 from ..stash.config import PREFETCH_POINTS
 from ..tables import FORMATS
 from . import options, progress, provenance, training
@@ -81,6 +81,9 @@ def add_arguments(p) -> None:
                    help="expert-parallel ranks: launch with torchrun --nproc-per-node N -m "
                    "graphstash.tools.cli memory --ep N; every rank records its step, rank 0 "
                    "prints its report and every rank's peaks")
+    p.add_argument("--exchange", default=None, choices=EXCHANGE_KINDS,
+                   help="with --ep: MoEConfig.exchange_kind (default auto: the gathered tokens "
+                   "where --topk is above the ranks, else the live rows)")
 
 
 def check_flags(args) -> torch.device:
@@ -98,6 +101,9 @@ def check_flags(args) -> torch.device:
         raise options.FlagError(f"--snapshot: torch's memory snapshot records the CUDA caching "
                                 f"allocator; the run is on {dev}, which has none (--device "
                                 "cuda on a GPU)")
+    if getattr(args, "exchange", None) is not None and getattr(args, "ep", None) is None:
+        raise options.FlagError("--exchange: chooses how expert-parallel ranks exchange "
+                                "tokens; give --ep N with it (one device exchanges nothing)")
     ep_world(args)
     return dev
 
@@ -185,6 +191,8 @@ def sizes(args, on_gpu: bool) -> tuple[MoEConfig, dict]:
         from .bench.moe_setup import routing_from_args
 
         config = dataclasses.replace(config, routing=routing_from_args(args))
+    if getattr(args, "exchange", None) is not None:
+        config = dataclasses.replace(config, exchange_kind=args.exchange)
     return config, reduced
 
 
