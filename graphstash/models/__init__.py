@@ -8,5 +8,5 @@ from .expert_stack import ExpertStack, make_inputs
 from .moe import EXCHANGE_KINDS, PRESETS, MoEConfig, MoEModel, preset
 from .routing import Routing, parse_routing, routing_bias
 
-__all__ = ["EXCHANGE_KINDS", "PRESETS", "ExpertStack", "MoEConfig", "MoEModel", "Routing", "make_inputs",
-           "parse_routing", "preset", "routing_bias"]
+__all__ = ["EXCHANGE_KINDS", "PRESETS", "ExpertStack", "MoEConfig", "MoEModel", "Routing",
+           "make_inputs", "parse_routing", "preset", "routing_bias"]

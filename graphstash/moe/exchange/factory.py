@@ -23,8 +23,8 @@ to, about ``T x K x (W - 1) / W`` rows a rank in each direction; the gathered to
 [gathered tokens] in ``gathered.py``) once per rank, ``T x (W - 1)``. Their ratio is
 ``K / W``: at top-K above the ranks the gathered tokens move fewer bytes, and measured
 they win (docs/exchange.md, "Gathered tokens": qwen3-30b-a3b widths, top-8, on two and four
-H200, 1.90x and 1.88x the eager peer balanced against the live rows' 1.74x and 1.76x, and
-1.87x to 1.91x under every skewed routing against 1.51x to 1.52x, with less activation);
+H200, 1.90x and 1.88x the eager peer balanced against the live rows' 1.74x and 1.76x, and on
+four 1.87x to 1.91x under skew, zipf and drift against 1.51x to 1.52x, with less activation);
 at top-K at or below the ranks they move as many or more (mixtral-8x7b widths, top-2 over
 four ranks: 1.5x the bytes, and the live rows are faster). Nor does a dense gather overflow
 under skew: only the experts' own budget can, as on one GPU. So ``"auto"`` is the gathered
