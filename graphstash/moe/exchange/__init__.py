@@ -15,7 +15,9 @@ pass it to :func:`graphstash.moe.dispatch` as ``exchange=``::
     out = combine(y, handle, weighted=False)
 
 The same transport sums the step's flags across ranks (:meth:`Transport.all_reduce_flags_`).
-Nothing here touches the GPU at import time.
+:func:`make_exchange` ``(group, topk=..., num_experts=...)`` builds one where the model runs,
+or moves the gathered tokens instead where ``topk`` is above the ranks (:class:`GatheredTokens`,
+NOTE [auto exchange] in ``factory.py``). Nothing here touches the GPU at import time.
 """
 from .. import register_transport_adapter
 from .autograd import exchange_combine, exchange_dispatch
