@@ -70,8 +70,8 @@ def test_a_shard_that_is_not_a_part_is_refused(text, message):
 
 
 def test_a_shard_runs_its_part_of_the_collected_tests(tmp_path):
-    """``GS_SHARD=k/n`` in a pytest run: the parts of three runs are disjoint and cover the
-    file's tests."""
+    """``GS_SHARD=k/n`` in a pytest run: the tests three runs collect are disjoint, cover the
+    file's, and run."""
     import os
     import subprocess
     import sys
@@ -82,16 +82,19 @@ def test_a_shard_runs_its_part_of_the_collected_tests(tmp_path):
     (tmp_path / "conftest.py").write_text(open(conftest).read())
     path = os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])
 
-    def run(shard: str):
+    def run(shard: str, *args):
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               "test_many.py"], cwd=tmp_path, capture_output=True, text=True,
-                              env={**os.environ, "GS_SHARD": shard, "PYTHONPATH": path})
+                               *args, "test_many.py"], cwd=tmp_path, capture_output=True,
+                              text=True, env={**os.environ, "GS_SHARD": shard, "PYTHONPATH": path})
 
-    counts = []
+    parts = []
     for k in (1, 2, 3):
-        proc = run(f"{k}/3")
+        proc = run(f"{k}/3", "--collect-only")
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        counts.append(int(proc.stdout.split(" passed")[0].split()[-1]))
-    assert sum(counts) == 30 and all(c > 0 for c in counts), counts
+        parts.append({line for line in proc.stdout.splitlines() if "::test_one[" in line})
+        proc = run(f"{k}/3")
+        assert proc.returncode == 0 and f"{len(parts[-1])} passed" in proc.stdout, proc.stdout
+    assert all(parts) and sum(map(len, parts)) == 30, [len(p) for p in parts]
+    assert len(set.union(*parts)) == 30                          # disjoint, and every test
     proc = run("3")
     assert proc.returncode != 0 and "GS_SHARD: expected 'k/n'" in proc.stdout + proc.stderr
