@@ -147,13 +147,13 @@ def collect(argv: list | None = None) -> dict:
 
 def line(meta: dict) -> str:
     """``meta`` as one line: what ran, on what, by which command, when."""
-    commit = ""
+    which = []
     if meta.get("commit"):
         base, plus, changes = meta["commit"].partition("+")
-        commit = f" (commit {base[:12]}{plus}{changes}"
+        which.append(f"commit {base[:12]}{plus}{changes}")
     if meta.get("sources"):
-        commit = (commit + ", " if commit else " (") + f"sources {meta['sources']}"
-    commit += ")" if commit else ""
+        which.append(f"sources {meta['sources']}")
+    commit = f" ({', '.join(which)})" if which else ""
     if meta.get("gpus"):
         counts: dict = {}
         for name in meta["gpus"]:
