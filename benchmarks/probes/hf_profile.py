@@ -25,6 +25,9 @@ import graphstash.integrations.transformers as gst  # noqa: E402
 from graphstash.tools.bench import hf  # noqa: E402
 from graphstash.tools.bench.timing import eager_training_step  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+import hf_no_experts  # noqa: E402
+
 CATEGORIES = (   # first match wins, on the lower-cased kernel name
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("loss", ("cross_entropy", "log_softmax", "nll_loss", "logsumexp")),
@@ -101,6 +104,7 @@ def main() -> None:
     device = torch.device("cuda")
     graphstash.warmup(device)
     c = hf.CONFIGS[args.preset]
+    hf_no_experts.register()         # its runs may be named too
     print(f"{args.preset}: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
     for name in args.runs.split(","):
         profile_run(c, name.strip(), device, args.steps, args.warmup, args.top)
