@@ -33,7 +33,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from spread_rows import PRESETS, routing_maps  # noqa: E402
+from spread_rows import chosen_presets, routing_maps  # noqa: E402
 
 # (BM, BN, BK, num_warps, num_stages)
 CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
@@ -205,13 +205,7 @@ def main(argv=None) -> None:
     parser.add_argument("--check-only", action="store_true",
                         help="only check the kernel against the reference (CPU: interpreter)")
     args = parser.parse_args(argv)
-    known = {p[0]: p for p in PRESETS}
-    names = [p for p in args.presets.split(",") if p]
-    for p in names:
-        if p not in known:
-            parser.error(f"--presets: unknown preset {p!r}; expected one of {sorted(known)}")
-    if args.repeats < 1:
-        parser.error(f"--repeats: expected a positive int, got {args.repeats}")
+    presets = chosen_presets(parser, args.presets, args.repeats)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # Triton's interpreter multiplies bfloat16 as raw bits (NOTE [interpreted bf16 products]).
     for dtype in (torch.float32, torch.float16) if device.type == "cpu" else (torch.bfloat16,):
@@ -228,8 +222,8 @@ def main(argv=None) -> None:
           "| Triton ms (TFLOP/s), config | Triton gathered ms (TFLOP/s), config "
           "| gathered / (spread + CUTLASS) |")
     print("|---|---|---|---|---|---|---|---|")
-    for p in names:
-        measure(*known[p], gen, args.repeats)
+    for p in presets:
+        measure(*p, gen, args.repeats)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from graphstash.moe.backend import OPERATORS  # noqa: E402
 from graphstash.tools.bench.timing import time_calls_interleaved  # noqa: E402
-from spread_rows import PRESETS, routing_maps, time_us  # noqa: E402
+from spread_rows import PRESETS, chosen_presets, routing_maps, time_us  # noqa: E402
 
 OPS = ("forward", "grad x", "grad w")
 # The copy each product could absorb: the dispatch's spread (w1 forward), the regathered
@@ -142,24 +142,18 @@ def main(argv=None) -> None:
                         ", ".join(OPS))
     parser.add_argument("--repeats", type=int, default=20, help="timed samples per figure")
     args = parser.parse_args(argv)
-    known = {p[0]: p for p in PRESETS}
-    names = [n for n in args.presets.split(",") if n]
+    presets = chosen_presets(parser, args.presets, args.repeats)
     ops = [o for o in args.ops.split(",") if o]
-    for n in names:
-        if n not in known:
-            parser.error(f"--presets: unknown preset {n!r}; expected one of {sorted(known)}")
     for o in ops:
         if o not in OPS:
             parser.error(f"--ops: unknown product {o!r}; expected one of {list(OPS)}")
-    if args.repeats < 1:
-        parser.error(f"--repeats: expected a positive int, got {args.repeats}")
     if not torch.cuda.is_available():
         sys.exit("grouped_gemm_inductor.py: needs a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, 8192 tokens")
     print_header()
-    for n in names:
-        measure(*known[n], ops, gen, args.repeats)
+    for p in presets:
+        measure(*p, ops, gen, args.repeats)
 
 
 if __name__ == "__main__":

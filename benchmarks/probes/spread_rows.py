@@ -33,6 +33,19 @@ PRESETS = [  # name, tokens, experts, top-k, hidden, expert ffn
 ]
 
 
+def chosen_presets(parser, presets: str, repeats: int) -> list[tuple]:
+    """The :data:`PRESETS` entries named in the comma-separated ``presets`` (a probe's
+    ``--presets``), after checking them and its ``--repeats``; a bad value is a usage error."""
+    known = {p[0]: p for p in PRESETS}
+    names = [n for n in presets.split(",") if n]
+    for n in names:
+        if n not in known:
+            parser.error(f"--presets: unknown preset {n!r}; expected one of {sorted(known)}")
+    if repeats < 1:
+        parser.error(f"--repeats: expected a positive int, got {repeats}")
+    return [known[n] for n in names]
+
+
 def time_us(fn, reps: int) -> float:
     """Average microseconds of ``fn`` over ``reps`` calls (CUDA events, after 5 warmup calls)."""
     for _ in range(5):

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from graphstash.tools.bench.timing import time_calls_interleaved  # noqa: E402
-from spread_rows import PRESETS  # noqa: E402
+from spread_rows import chosen_presets  # noqa: E402
 
 
 def measure(name, tokens, experts, topk, hidden, ffn, gen, repeats) -> None:
@@ -61,13 +61,7 @@ def main(argv=None) -> None:
     parser.add_argument("--presets", default="qwen3-30b-a3b,olmoe-1b-7b,mixtral-8x7b")
     parser.add_argument("--repeats", type=int, default=20, help="timed samples per figure")
     args = parser.parse_args(argv)
-    known = {p[0]: p for p in PRESETS}
-    names = [n for n in args.presets.split(",") if n]
-    for n in names:
-        if n not in known:
-            parser.error(f"--presets: unknown preset {n!r}; expected one of {sorted(known)}")
-    if args.repeats < 1:
-        parser.error(f"--repeats: expected a positive int, got {args.repeats}")
+    presets = chosen_presets(parser, args.presets, args.repeats)
     if not torch.cuda.is_available():
         sys.exit("weight_grad_orientation.py: needs a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -75,8 +69,8 @@ def main(argv=None) -> None:
     print("| widths | GEMM | shape | forward ms | grad x ms | g.T @ x ms | x.T @ g ms "
           "| x.T @ g + copy ms | max rel. diff |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for n in names:
-        measure(*known[n], gen, args.repeats)
+    for p in presets:
+        measure(*p, gen, args.repeats)
 
 
 if __name__ == "__main__":
