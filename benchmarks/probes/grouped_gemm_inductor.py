@@ -39,10 +39,11 @@ from graphstash.tools.bench.timing import time_calls_interleaved  # noqa: E402
 from spread_rows import PRESETS, chosen_presets, routing_maps, time_us  # noqa: E402
 
 OPS = ("forward", "grad x", "grad w")
-# The copy each product could absorb: the dispatch's spread (w1 forward), the regathered
-# input (w1 grad w), combine's backward (w2 grad x and grad w share it).
-ABSORBS = {("w1", "forward"): "spread", ("w1", "grad w"): "spread",
-           ("w2", "grad x"): "spread", ("w2", "grad w"): "spread"}
+# The products that read spread rows, whose spread a gathering kernel would save: the
+# dispatch's (w1 forward), the regathered input (w1 grad w), combine's backward (w2 grad x
+# and grad w share it).
+READS_SPREAD = frozenset({("w1", "forward"), ("w1", "grad w"), ("w2", "grad x"),
+                          ("w2", "grad w")})
 
 
 def operands(op: str, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor):
@@ -105,7 +106,7 @@ def measure(name, tokens, experts, topk, hidden, ffn, ops, gen, repeats) -> list
                                          "triton": lambda: triton(a, b, offs)},
                                         repeats=repeats, inner=5)
             flops = 2.0 * rows * n_in * n_out
-            absorbs = ABSORBS.get((gemm, op))
+            absorbs = (gemm, op) in READS_SPREAD
             results.append(dict(
                 preset=name, gemm=gemm, op=op, ms_cutlass=ms["cutlass"], ms_triton=ms["triton"],
                 tflops_cutlass=flops / ms["cutlass"] / 1e9,
