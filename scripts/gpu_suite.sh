@@ -16,8 +16,8 @@
 # exceeded a 280 s per-test limit); of the 158 tests it left, 16 workers passed 102 in 330 s
 # and failed none. Where one run has a time limit, GS_SHARD splits the suite
 # (tests/conftest.py).
-# On one H200 (16 cores) with WORKERS=8, three of four GS_SHARD parts took 383, 245 and
-# 352 s (1488 passed, none failed; the multi-GPU tests skip there).
+# On one H200 (16 cores) with WORKERS=8, the four GS_SHARD parts took 383, 245, 352 and
+# 354 s (1983 passed, none failed; the multi-GPU tests skip there).
 #
 # Each failure's traceback is appended to $GS_FAILURE_LOG as it happens (default
 # gpu_suite_failures.log), so a run stopped by a time limit still leaves them. Exits non-zero

@@ -15,7 +15,9 @@ on sm90) on them. A Triton kernel that loads its A tile through the routing's in
 The kernel: one program per (row tile, column tile), a row tile holding one expert's rows
 (a tile plan built on the device, as NOTE [triton grouped GEMM] in
 ``graphstash/moe/_triton_grouped.py`` describes), ``tl.dot`` over K in fp32. Every result is
-checked against ``torch._grouped_mm`` on the copied rows before it is timed.
+checked against ``torch._grouped_mm`` on the copied rows before it is timed. Each timed call
+builds its tile plan too (about ten small torch kernels, as the library's Triton path does
+on every call), in both Triton columns alike.
 
     python benchmarks/probes/gathered_gemm.py
     TRITON_INTERPRET=1 python benchmarks/probes/gathered_gemm.py --check-only   # on a CPU

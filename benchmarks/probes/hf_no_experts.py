@@ -101,11 +101,17 @@ def main() -> None:
                                                     *STAND_IN_RUNS]))
     args = parser.parse_args()
     register()
+    if args.steps < hf.WARMUP + 2:
+        parser.error(f"--steps: expected an int >= {hf.WARMUP + 2} (the first {hf.WARMUP + 1} "
+                     f"are not timed), got {args.steps}")
+    names = [n.strip() for n in args.runs.split(",") if n.strip()]
+    for n in names:
+        if n not in hf.RUNS:
+            parser.error(f"--runs: unknown run {n!r}; expected some of {list(hf.RUNS)}")
     device = torch.device("cuda")
     graphstash.warmup(device)
     c = dataclasses.replace(hf.CONFIGS[args.preset], steps=args.steps)
     data = hf.batches(c, device)
-    names = [n.strip() for n in args.runs.split(",")]
     results = {}
     for name in names:
         results[name] = hf.run_one(c, name, device, data)
